@@ -1,0 +1,23 @@
+"""linattn: linear attention, derived step by step and made fast.
+
+Public API (tensor layout ``(batch, heads, seq, dim)``, as in PyTorch's SDPA).
+"""
+from .attention import linear_attention, softmax_attention
+from .feature_maps import elu_plus_one, get_feature_map, relu
+from .recurrent import LinearAttentionState, linear_attention_step
+from .utils import default_device, set_seed, use_book_style
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "softmax_attention",
+    "linear_attention",
+    "linear_attention_step",
+    "LinearAttentionState",
+    "elu_plus_one",
+    "relu",
+    "get_feature_map",
+    "set_seed",
+    "default_device",
+    "use_book_style",
+]

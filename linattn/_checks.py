@@ -1,0 +1,143 @@
+"""Input validation shared by the attention functions (private).
+
+Every check raises a ``TypeError`` or ``ValueError`` that names the argument and
+says what it got and what it needs; nothing is broadcast silently.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def shape_str(shape) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
+def check_tensor(x, name: str, ndim: int, layout: str) -> None:
+    """``x`` is a floating tensor with ``ndim`` dimensions laid out as ``layout``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {shape_str(x.shape)}")
+    if any(s == 0 for s in x.shape):
+        raise ValueError(f"{name} must not have an empty dimension, got shape {shape_str(x.shape)}")
+
+
+def check_same_kind(named: dict[str, Tensor]) -> None:
+    """All tensors share one dtype and one device."""
+    items = list(named.items())
+    first_name, first = items[0]
+    for name, x in items[1:]:
+        if x.dtype != first.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but {first_name} has dtype {first.dtype}; "
+                "q, k and v must share one dtype"
+            )
+        if x.device != first.device:
+            raise ValueError(
+                f"{name} is on {x.device} but {first_name} is on {first.device}; "
+                "q, k and v must be on one device"
+            )
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
+    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk."""
+    layout = "(batch, heads, seq, dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(x, name, 4, layout)
+    check_same_kind({"q": q, "k": k, "v": v})
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            "q, k and v must share batch and heads (dims 0 and 1), got "
+            f"q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k and v must have the same sequence length (dim 2), got k {shape_str(k.shape)} "
+            f"and v {shape_str(v.shape)}"
+        )
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q and k must have the same head_dim (dim 3), got q {shape_str(q.shape)} "
+            f"and k {shape_str(k.shape)}"
+        )
+    check_bool(causal, "causal")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"causal=True needs as many queries as keys, got q with seq {q.shape[2]} and k with "
+            f"seq {k.shape[2]}; use causal=False for cross-attention"
+        )
+
+
+def check_bool(x, name: str) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def check_key_padding_mask(mask, k: Tensor) -> None:
+    """``mask`` is a bool (batch, seq_k) tensor on k's device; True marks a real token."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must have dtype torch.bool (True = real token), got {mask.dtype}")
+    expected = (k.shape[0], k.shape[2])
+    if tuple(mask.shape) != expected:
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq_k) = {shape_str(expected)}, "
+            f"got {shape_str(mask.shape)}"
+        )
+    if mask.device != k.device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but k is on {k.device}")
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a positive finite number, got {eps}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def check_features(phi_x: Tensor, x: Tensor, name: str) -> None:
+    """The feature map kept the leading dimensions and returned floats."""
+    if not isinstance(phi_x, Tensor):
+        raise TypeError(f"feature_map must return a torch.Tensor for {name}, got {type(phi_x).__name__}")
+    if not phi_x.is_floating_point():
+        raise TypeError(f"feature_map returned dtype {phi_x.dtype} for {name}; it must return floats")
+    if phi_x.dim() != x.dim() or phi_x.shape[:-1] != x.shape[:-1] or phi_x.shape[-1] == 0:
+        raise ValueError(
+            f"feature_map must map {name} of shape {shape_str(x.shape)} to (..., M) keeping the "
+            f"leading dimensions, got {shape_str(phi_x.shape)}"
+        )
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other floating dtype accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def apply_feature_map(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """φ(q), φ(k) (or q, k themselves when ``phi`` is None), checked to share M."""
+    phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))
+    check_features(phi_q, q, "q")
+    check_features(phi_k, k, "k")
+    if phi_q.shape[-1] != phi_k.shape[-1]:
+        raise ValueError(
+            "feature_map must give q and k the same number of features M, got "
+            f"φ(q) {shape_str(phi_q.shape)} and φ(k) {shape_str(phi_k.shape)}"
+        )
+    if phi_q.dtype != q.dtype or phi_k.dtype != k.dtype:
+        phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(k.dtype)
+    return phi_q, phi_k

@@ -1,0 +1,249 @@
+"""Softmax attention (the reference) and linear attention (one entry point, several algorithms)."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from .chunked import chunk_linear_attention
+from .feature_maps import FeatureMap, resolve_feature_map
+from .recurrent import LinearAttentionState, check_initial_state, finish, step_features
+
+__all__ = ["softmax_attention", "linear_attention", "METHODS"]
+
+METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    key_padding_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Scaled dot-product (softmax) attention, written out with its full T×T matrix.
+
+    ``softmax(q kᵀ · scale) v`` (Vaswani et al., 2017, eq. 1). This is the reference the
+    book compares linear attention against; it materialises the ``(B, H, Tq, Tk)`` weight
+    matrix on purpose. For speed use ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Parameters
+    ----------
+    q : Tensor
+        ``(B, H, Tq, D)`` queries.
+    k : Tensor
+        ``(B, H, Tk, D)`` keys.
+    v : Tensor
+        ``(B, H, Tk, Dv)`` values.
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` only (needs ``Tq == Tk``).
+    scale : float, optional
+        Multiplies the scores; default ``1/sqrt(D)``.
+    key_padding_mask : Tensor, optional
+        ``(B, Tk)`` bool, True for real tokens; padded keys get zero weight.
+
+    Returns
+    -------
+    Tensor
+        ``(B, H, Tq, Dv)`` in the input dtype (scores and softmax in float32 for half
+        inputs). A query that sees no key at all (only padding) gets a zero output.
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a non-numeric scale.
+    ValueError
+        Wrong ranks, mismatched batch/heads/dims, causal with ``Tq != Tk``, a mask of the
+        wrong shape, a non-positive or non-finite scale.
+    """
+    _checks.check_qkv(q, k, v, causal=causal)
+    _checks.check_key_padding_mask(key_padding_mask, k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    elif not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    acc = _checks.accumulation_dtype(q.dtype)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale        # (B, H, Tq, Tk)
+    visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril()                                        # (Tq, Tk)
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]          # (B, 1, Tq, Tk)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)  # rows with no key
+    return (weights @ v.to(acc)).to(q.dtype)                           # (B, H, Tq, Dv)
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: Union[str, FeatureMap, None] = "elu+1",
+    causal: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    method: str = "auto",
+    chunk_size: int = 64,
+    key_padding_mask: Optional[Tensor] = None,
+    initial_state: Optional[LinearAttentionState] = None,
+    return_state: bool = False,
+) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
+    """Linear attention: softmax's similarity replaced by ``φ(q)ᵀφ(k)``.
+
+    Katharopoulos et al. (2020), eq. 5 (non-causal) and eq. 9 (causal)::
+
+        y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / max(Σ_j φ(q_i)ᵀφ(k_j), eps)
+
+    where ``j`` runs over the unpadded keys (``j <= i`` when causal). With an
+    ``initial_state`` (S0, z0) every query also sees ``φ(q_i)ᵀS0`` and ``φ(q_i)ᵀz0``, as if
+    the tokens that built the state came first.
+
+    Methods (all compute the same numbers up to rounding):
+
+    - ``"parallel"``: non-causal only; ``φ(Q)(φ(K)ᵀV)``, cost ``O(T·M·Dv)``.
+    - ``"quadratic"``: the masked ``Tq×Tk`` matrix ``φ(Q)φ(K)ᵀ``, cost ``O(T²·(M + Dv))``.
+    - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
+    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.chunked`.
+    - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
+
+    Parameters
+    ----------
+    q : Tensor
+        ``(B, H, Tq, D)`` queries, floating point.
+    k : Tensor
+        ``(B, H, Tk, D)`` keys, same dtype and device as ``q``.
+    v : Tensor
+        ``(B, H, Tk, Dv)`` values; ``Dv`` may differ from ``D``.
+    feature_map : str, callable or None
+        φ: a name for :func:`linattn.get_feature_map`, a callable ``(..., D) -> (..., M)``
+        (any ``M``), or None when ``q`` and ``k`` already are features.
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` only (needs ``Tq == Tk``).
+    normalize : bool
+        Divide by the normaliser (True) or return the numerator ``Σ φ(q_i)ᵀφ(k_j) v_j``.
+    eps : float
+        Positive lower bound on the normaliser; it only matters when the normaliser can
+        reach zero (maps that are not strictly positive, such as ReLU).
+    method : str
+        One of ``"auto"``, ``"parallel"``, ``"quadratic"``, ``"recurrent"``, ``"chunk"``.
+    chunk_size : int
+        Tokens per chunk for ``method="chunk"``; ``T`` need not be a multiple of it.
+    key_padding_mask : Tensor, optional
+        ``(B, Tk)`` bool, True for real tokens. Padded keys contribute nothing: the mask
+        zeroes ``φ(k)`` after the feature map (zeroing ``k`` first would not do, since
+        ``elu(0) + 1 = 1``).
+    initial_state : LinearAttentionState, optional
+        State to start from: ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)``.
+    return_state : bool
+        Also return the state after the last key (``initial_state`` included).
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, Tq, Dv)`` in the dtype of ``q``. Half and bfloat16 inputs are computed
+        with float32 accumulation.
+    state : LinearAttentionState
+        Only if ``return_state``: float32 (float64 for float64 inputs).
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask or flag; a
+        feature map that is neither a name, a callable nor None; a bad state type.
+    ValueError
+        Wrong ranks; batch, heads or dims that disagree; causal with ``Tq != Tk``; an
+        unknown method or feature map name; a method that does not fit ``causal``; a
+        mask or state of the wrong shape; ``chunk_size < 1``; ``eps <= 0``.
+    """
+    _checks.check_qkv(q, k, v, causal=causal)
+    _checks.check_bool(normalize, "normalize")
+    _checks.check_bool(return_state, "return_state")
+    _checks.check_eps(eps)
+    _checks.check_chunk_size(chunk_size)
+    _checks.check_key_padding_mask(key_padding_mask, k)
+    method = _resolve_method(method, causal)
+
+    acc = _checks.accumulation_dtype(q.dtype)
+    phi = resolve_feature_map(feature_map)
+    phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
+    if key_padding_mask is not None:
+        phi_k = phi_k * key_padding_mask[:, None, :, None].to(acc)         # mask after φ
+    B, H, _, M = phi_k.shape
+    Dv = v.shape[-1]
+    S0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)    # (B, H, M, Dv + 1)
+    v32 = v.to(acc)
+    v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)       # (B, H, Tk, Dv + 1)
+
+    if method == "parallel":
+        out_aug, S = _parallel(phi_q, phi_k, v_aug, S0)
+    elif method == "quadratic":
+        out_aug, S = _quadratic(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
+    elif method == "recurrent":
+        out_aug, S = _recurrent(phi_q, phi_k, v_aug, S0)
+    else:
+        out_aug, S = chunk_linear_attention(phi_q, phi_k, v_aug, S0, chunk_size)
+    out = finish(out_aug, normalize, eps).to(q.dtype)                      # (B, H, Tq, Dv)
+    if return_state:
+        return out, LinearAttentionState.from_augmented(S)
+    return out
+
+
+def _resolve_method(method, causal: bool) -> str:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, got {type(method).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
+    if method == "auto":
+        return "chunk" if causal else "parallel"
+    if causal and method == "parallel":
+        raise ValueError("method='parallel' is non-causal; with causal=True use 'chunk', 'recurrent' or 'quadratic'")
+    if not causal and method in ("recurrent", "chunk"):
+        raise ValueError(
+            f"method={method!r} computes causal attention; pass causal=True, or use 'parallel' "
+            "or 'quadratic' for non-causal attention"
+        )
+    return method
+
+
+def _parallel(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Non-causal ``φ(Q)(φ(K)ᵀ[V, 1])``: the summary first, then every query reads it."""
+    S = phi_k.transpose(-1, -2) @ v_aug                  # (B, H, M, Dv + 1)
+    if S0 is not None:
+        S = S0 + S
+    return phi_q @ S, S                                  # (B, H, Tq, Dv + 1)
+
+
+def _quadratic(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor], causal: bool,
+               need_state: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """``(φ(Q)φ(K)ᵀ ⊙ mask)[V, 1]``: the Tq×Tk matrix first, as softmax attention does."""
+    scores = phi_q @ phi_k.transpose(-1, -2)             # (B, H, Tq, Tk)
+    if causal:
+        scores = scores.tril()
+    out_aug = scores @ v_aug                             # (B, H, Tq, Dv + 1)
+    if S0 is not None:
+        out_aug = out_aug + phi_q @ S0
+    S = None
+    if need_state:
+        S = phi_k.transpose(-1, -2) @ v_aug
+        S = S if S0 is None else S0 + S
+    return out_aug, S
+
+
+def _recurrent(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The RNN view: one :func:`step_features` per token (slow in Python; the test oracle)."""
+    B, H, T, M = phi_k.shape
+    S = S0 if S0 is not None else phi_k.new_zeros(B, H, M, v_aug.shape[-1])
+    outs = []
+    for t in range(T):
+        out_t, S = step_features(phi_q[:, :, t], phi_k[:, :, t], v_aug[:, :, t], S)
+        outs.append(out_t)
+    return torch.stack(outs, dim=2), S                   # (B, H, T, Dv + 1)

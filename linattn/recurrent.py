@@ -1,0 +1,198 @@
+"""The RNN view of causal linear attention: a fixed-size state updated one token at a time.
+
+Katharopoulos et al. (2020), eqs. 18-20: with ``S_t = S_{t-1} + φ(k_t) v_tᵀ`` and
+``z_t = z_{t-1} + φ(k_t)``, the causal output is ``y_t = S_tᵀφ(q_t) / (z_tᵀφ(q_t))``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from .feature_maps import FeatureMap, resolve_feature_map
+
+__all__ = ["LinearAttentionState", "linear_attention_step"]
+
+
+@dataclass
+class LinearAttentionState:
+    """The running state of causal linear attention after some prefix of a sequence.
+
+    Attributes
+    ----------
+    S : Tensor
+        ``(B, H, M, Dv)``, the sum of outer products ``Σ_j φ(k_j) v_jᵀ``.
+    z : Tensor
+        ``(B, H, M)``, the normaliser ``Σ_j φ(k_j)``.
+
+    Both are kept in float32 (float64 when the inputs are float64), whatever the input
+    dtype, so that half-precision inputs do not lose the small increments of a long sum.
+    Its size, ``B·H·M·(Dv + 1)`` numbers, does not depend on how many tokens it has seen.
+
+    Raises
+    ------
+    TypeError
+        If ``S`` or ``z`` is not a floating tensor.
+    ValueError
+        If ``S`` is not 4-D, ``z`` not 3-D, or their (B, H, M) disagree.
+    """
+
+    S: Tensor
+    z: Tensor
+
+    def __post_init__(self) -> None:
+        _checks.check_tensor(self.S, "state.S", 4, "(batch, heads, M, Dv)")
+        _checks.check_tensor(self.z, "state.z", 3, "(batch, heads, M)")
+        if self.S.shape[:3] != self.z.shape:
+            raise ValueError(
+                f"state.S (B, H, M, Dv) and state.z (B, H, M) disagree: got S "
+                f"{_checks.shape_str(self.S.shape)} and z {_checks.shape_str(self.z.shape)}"
+            )
+
+    @classmethod
+    def zeros(cls, batch: int, heads: int, feature_dim: int, value_dim: int, *,
+              dtype: torch.dtype = torch.float32, device=None) -> "LinearAttentionState":
+        """An empty state (no tokens seen): ``S`` of shape (batch, heads, feature_dim, value_dim), ``z`` zeros."""
+        S = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
+        z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
+        return cls(S, z)
+
+    def detach(self) -> "LinearAttentionState":
+        """The same state cut from the autograd graph (for truncated back-propagation)."""
+        return LinearAttentionState(self.S.detach(), self.z.detach())
+
+    def to(self, *args, **kwargs) -> "LinearAttentionState":
+        """Move or cast both tensors, with the arguments of ``Tensor.to``."""
+        return LinearAttentionState(self.S.to(*args, **kwargs), self.z.to(*args, **kwargs))
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the state, in bytes (constant in the number of tokens seen)."""
+        return self.S.numel() * self.S.element_size() + self.z.numel() * self.z.element_size()
+
+    # The algorithms carry S and z as one tensor (B, H, M, Dv + 1): z is the last column,
+    # the sum of φ(k_j) times a value of 1. One matmul then yields numerator and normaliser.
+    def augmented(self) -> Tensor:
+        return torch.cat([self.S, self.z.unsqueeze(-1)], dim=-1)
+
+    @classmethod
+    def from_augmented(cls, S_aug: Tensor) -> "LinearAttentionState":
+        return cls(S_aug[..., :-1], S_aug[..., -1])
+
+
+def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_dim: int,
+                        dtype: torch.dtype, device, name: str = "initial_state") -> Optional[Tensor]:
+    """Validate a user-supplied state and return it augmented, in ``dtype`` (or None)."""
+    if state is None:
+        return None
+    if not isinstance(state, LinearAttentionState):
+        raise TypeError(f"{name} must be a LinearAttentionState or None, got {type(state).__name__}")
+    expected = (batch, heads, feature_dim, value_dim)
+    if tuple(state.S.shape) != expected or tuple(state.z.shape) != expected[:3]:
+        raise ValueError(
+            f"{name} must have S of shape (B, H, M, Dv) = {_checks.shape_str(expected)} and z of "
+            f"shape {_checks.shape_str(expected[:3])}, got S {_checks.shape_str(state.S.shape)} "
+            f"and z {_checks.shape_str(state.z.shape)}"
+        )
+    if state.S.device != device:
+        raise ValueError(f"{name} is on {state.S.device} but the inputs are on {device}")
+    return state.augmented().to(dtype)
+
+
+def finish(out_aug: Tensor, normalize: bool, eps: float) -> Tensor:
+    """Split ``(..., Dv + 1)`` into numerator and normaliser and divide (or not)."""
+    num, den = out_aug[..., :-1], out_aug[..., -1:]
+    if not normalize:
+        return num
+    return num / den.clamp_min(eps)
+
+
+def step_features(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S_aug: Tensor) -> tuple[Tensor, Tensor]:
+    """One recurrence step on features: ``S_t = S_{t-1} + φ(k_t)[v_t, 1]ᵀ``, output ``φ(q_t)ᵀS_t``.
+
+    phi_q, phi_k (B, H, M); v_aug (B, H, Dv + 1); S_aug (B, H, M, Dv + 1).
+    Returns the augmented output (B, H, Dv + 1) and the new state.
+    """
+    S_aug = S_aug + phi_k.unsqueeze(-1) * v_aug.unsqueeze(-2)     # (B, H, M, Dv + 1)
+    out_aug = (phi_q.unsqueeze(-2) @ S_aug).squeeze(-2)          # (B, H, Dv + 1)
+    return out_aug, S_aug
+
+
+def linear_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Optional[LinearAttentionState] = None,
+    *,
+    feature_map: "str | FeatureMap | None" = "elu+1",
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, LinearAttentionState]:
+    """Causal linear attention for one new token: update the state, then read it with the query.
+
+    Implements Katharopoulos et al. (2020), eqs. 18-20::
+
+        S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),
+        y_t = S_tᵀ φ(q_t) / max(z_tᵀ φ(q_t), eps)
+
+    The new token attends to itself and to every earlier token. Running it over
+    ``t = 1..T`` gives exactly ``linear_attention(q, k, v, causal=True)``; the cost per
+    token is ``O(M·Dv)`` time and the state's memory is constant in ``t``.
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, D)``, the current token's query and key (floating, same dtype and device).
+    v : Tensor
+        ``(B, H, Dv)``, the current token's value.
+    state : LinearAttentionState, optional
+        The state after the previous tokens; ``None`` starts from an empty state.
+        ``S`` must be ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)``.
+    feature_map : str, callable or None
+        φ, as in :func:`linattn.linear_attention`.
+    normalize : bool
+        Divide by the normaliser ``φ(q_t)ᵀz_t`` (True) or return the numerator only.
+    eps : float
+        Positive lower bound on the normaliser (guards a zero normaliser, e.g. with ReLU).
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
+    state : LinearAttentionState
+        The updated state, in float32 (float64 for float64 inputs).
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type.
+    ValueError
+        Wrong ranks, mismatched (B, H, D), a state whose shapes do not match, ``eps <= 0``.
+    """
+    layout = "(batch, heads, dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_tensor(x, name, 3, layout)
+    _checks.check_same_kind({"q": q, "k": k, "v": v})
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            "q and k must be (B, H, D) and v (B, H, Dv) with the same B and H, got "
+            f"q {_checks.shape_str(q.shape)}, k {_checks.shape_str(k.shape)}, v {_checks.shape_str(v.shape)}"
+        )
+    _checks.check_bool(normalize, "normalize")
+    _checks.check_eps(eps)
+    acc = _checks.accumulation_dtype(q.dtype)
+    phi = resolve_feature_map(feature_map)
+    q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
+    phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
+    B, H, M = phi_k.shape
+    Dv = v.shape[-1]
+    S_aug = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+    if S_aug is None:
+        S_aug = torch.zeros(B, H, M, Dv + 1, dtype=acc, device=q.device)
+    v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)  # (B, H, Dv + 1)
+    out_aug, S_aug = step_features(phi_q, phi_k, v_aug, S_aug)
+    out = finish(out_aug, normalize, eps).to(q.dtype)
+    return out, LinearAttentionState.from_augmented(S_aug)
