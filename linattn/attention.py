@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from .chunked import chunk_linear_attention
+from .chunked import chunkwise_linear_attention
 from .feature_maps import FeatureMap, resolve_feature_map
 from .recurrent import LinearAttentionState, check_initial_state, finish, step_features
 
@@ -179,18 +179,24 @@ def linear_attention(
         phi_k = phi_k * key_padding_mask[:, None, :, None].to(acc)         # mask after φ
     B, H, _, M = phi_k.shape
     Dv = v.shape[-1]
-    S0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)    # (B, H, M, Dv + 1)
+    state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     v32 = v.to(acc)
-    v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)       # (B, H, Tk, Dv + 1)
+    if method == "chunk":
+        out, S, z = chunkwise_linear_attention(
+            phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
+            normalize=normalize, eps=eps, chunk_size=chunk_size)
+        out = out.to(q.dtype)
+        return (out, LinearAttentionState(S, z)) if return_state else out
 
+    # The reference algorithms carry the normaliser as an extra value column of ones.
+    S0 = None if state0 is None else state0.augmented()                   # (B, H, M, Dv + 1)
+    v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)       # (B, H, Tk, Dv + 1)
     if method == "parallel":
         out_aug, S = _parallel(phi_q, phi_k, v_aug, S0)
     elif method == "quadratic":
         out_aug, S = _quadratic(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
-    elif method == "recurrent":
-        out_aug, S = _recurrent(phi_q, phi_k, v_aug, S0)
     else:
-        out_aug, S = chunk_linear_attention(phi_q, phi_k, v_aug, S0, chunk_size)
+        out_aug, S = _recurrent(phi_q, phi_k, v_aug, S0)
     out = finish(out_aug, normalize, eps).to(q.dtype)                      # (B, H, Tq, Dv)
     if return_state:
         return out, LinearAttentionState.from_augmented(S)

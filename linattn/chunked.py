@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["chunk_linear_attention"]
+__all__ = ["chunk_linear_attention", "chunkwise_linear_attention"]
 
 
 def chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
@@ -54,3 +55,208 @@ def chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional
         outs.append(q_c @ S + scores @ v_c)                    # (B, H, C, Dv) earlier chunks + this one
         S = S + k_c.transpose(-1, -2) @ v_c                    # (B, H, M, Dv)
     return torch.cat(outs, dim=2), S
+
+
+def _exclusive_chunk_prefix(per_chunk: Tensor, BH: int, N: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Exclusive prefix sums over the chunks of each head, without copies of the big tensor.
+
+    per_chunk : (BH * N, *rest) per-chunk contributions, head-major.
+    init      : (BH, *rest) state before the first chunk, or None (zeros).
+    Returns the state before each chunk, (BH * N, *rest), and the state after the last
+    chunk, (BH, *rest).
+    """
+    rest = per_chunk.shape[1:]
+    buf = per_chunk.new_empty((BH * N + 1, *rest))
+    buf[1:] = per_chunk
+    if init is not None:
+        buf[1::N] += init                                        # fold the initial state into chunk 0
+    buf[1:].view(BH, N, *rest).cumsum_(dim=1)                    # inclusive prefix, per head
+    final = buf[N::N].clone()                                    # (BH, *rest): after the last chunk
+    first = buf[0 : BH * N : N]                                  # slots read by chunk 0 of each head
+    if init is not None:
+        first.copy_(init)
+    else:
+        first.zero_()
+    return buf[: BH * N], final
+
+
+def _exclusive_chunk_suffix(per_chunk: Tensor, BH: int, N: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Exclusive suffix sums over chunks (the backward's reverse scan).
+
+    Returns, for each chunk, ``init + Σ_{later chunks}`` (BH * N, *rest), and
+    ``init + Σ_{all chunks}`` (BH, *rest).
+    """
+    rest = per_chunk.shape[1:]
+    rev = per_chunk.view(BH, N, *rest).flip(1)                   # copy, chunks last-to-first
+    if init is not None:
+        rev[:, 0] += init
+    rev.cumsum_(dim=1)                                           # inclusive, from the end
+    total = rev[:, -1].clone()
+    excl = rev.new_empty((BH, N, *rest))
+    excl[:, :-1] = rev[:, :-1].flip(1)                           # chunk c gets Σ over chunks > c
+    if init is not None:
+        excl[:, -1] = init
+    else:
+        excl[:, -1].zero_()
+    return excl.view(BH * N, *rest), total
+
+
+class _ChunkwiseLinearAttention(torch.autograd.Function):
+    """Chunkwise causal linear attention with a hand-written backward that recomputes.
+
+    The forward keeps only its inputs, the output and the normaliser; the backward
+    recomputes the intra-chunk scores and the chunk states, then runs the reverse scan.
+    """
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
+        B, H, T, M = phi_q.shape
+        Dv = v.shape[-1]
+        C = chunk_size
+        N = -(-T // C)
+        if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
+            pad = (0, 0, 0, N * C - T)
+            phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
+        BH = B * H
+        q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
+        S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
+        z0_ = None if z0 is None else z0.reshape(BH, M)
+
+        S_before, S_final = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_)
+        scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
+        out = torch.bmm(q_c, S_before)                                     # (BHN, C, Dv): earlier chunks
+        del S_before
+        out.baddbmm_(scores, v_c)                                          # + this chunk
+        z_before, z_final = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_)
+        den = None
+        if normalize:
+            den = torch.bmm(q_c, z_before.unsqueeze(-1)).squeeze(-1)      # (BHN, C)
+            den.add_(scores.sum(-1)).clamp_min_(eps)
+            out.div_(den.unsqueeze(-1))
+        del scores, z_before
+        ctx.save_for_backward(phi_q, phi_k, v, S0, z0, out, den)
+        ctx.config = (normalize, eps, C, T, N, BH)
+        return _unchunk(out, B, H, T), S_final.view(B, H, M, Dv), z_final.view(B, H, M)
+
+    @staticmethod
+    def backward(ctx, g_out, g_S, g_z):
+        phi_q, phi_k, v, S0, z0, out, den = ctx.saved_tensors
+        normalize, eps, C, T, N, BH = ctx.config
+        B, H, Tp, M = phi_q.shape
+        Dv = v.shape[-1]
+        q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
+        if g_out is None:
+            g_out = out.new_zeros(B, H, T, Dv)
+        if Tp != T:
+            g_out = F.pad(g_out, (0, 0, 0, Tp - T))
+        g_o = g_out.reshape(BH * N, C, Dv)
+        g_den = None
+        if normalize:
+            # y = o / d  =>  dL/do = g / d,  dL/dd = -(g . y) / d  (zero where d was clamped to eps)
+            g_den = (g_o * out).sum(-1).div_(den).neg_()                   # (BHN, C)
+            g_o = g_o / den.unsqueeze(-1)
+            # den was clamped to >= eps: no gradient flows where the clamp was active.
+            g_den = g_den.masked_fill_(den <= eps, 0.0)
+        S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
+        z0_ = None if z0 is None else z0.reshape(BH, M)
+
+        # Recompute the forward's intermediates.
+        scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
+        S_before, _ = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_)
+
+        # dL/dscores within the chunk (causal part only): g_o v^T (+ g_den 1^T).
+        g_scores = torch.bmm(g_o, v_c.transpose(1, 2))                     # (BHN, C, C)
+        if g_den is not None:
+            g_scores.add_(g_den.unsqueeze(-1))
+        g_scores.tril_()
+
+        # dφ(q): this chunk's keys, plus the states before the chunk.
+        g_q = torch.bmm(g_scores, k_c)                                     # (BHN, C, M)
+        g_q.baddbmm_(g_o, S_before.transpose(1, 2))
+        del S_before
+        if g_den is not None:
+            z_before, _ = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_)
+            g_q.add_(g_den.unsqueeze(-1) * z_before.unsqueeze(1))
+            del z_before
+
+        # Reverse scan: gradient of the state each chunk's keys feed, from later queries.
+        gS_init = None if g_S is None else g_S.reshape(BH, M, Dv)
+        g_S_after, g_S0 = _exclusive_chunk_suffix(torch.bmm(q_c.transpose(1, 2), g_o), BH, N, gS_init)
+        g_k = torch.bmm(g_scores.transpose(1, 2), q_c)                     # (BHN, C, M)
+        del g_scores
+        g_k.baddbmm_(v_c, g_S_after.transpose(1, 2))
+        g_v = torch.bmm(scores.transpose(1, 2), g_o)                       # (BHN, C, Dv)
+        del scores
+        g_v.baddbmm_(k_c, g_S_after)
+        del g_S_after
+        g_z0 = None
+        if g_den is not None or g_z is not None:
+            qz = torch.bmm(q_c.transpose(1, 2), g_den.unsqueeze(-1)).squeeze(-1) if g_den is not None \
+                else q_c.new_zeros(BH * N, M)
+            gz_init = None if g_z is None else g_z.reshape(BH, M)
+            g_z_after, g_z0 = _exclusive_chunk_suffix(qz, BH, N, gz_init)
+            g_k.add_(g_z_after.unsqueeze(1))
+            del g_z_after
+        return (
+            _unchunk(g_q, B, H, T),
+            _unchunk(g_k, B, H, T),
+            _unchunk(g_v, B, H, T),
+            None if S0 is None else g_S0.view(B, H, M, Dv),
+            None if (z0 is None or g_z0 is None) else g_z0.view(B, H, M),
+            None,
+            None,
+            None,
+        )
+
+
+def _chunks(phi_q: Tensor, phi_k: Tensor, v: Tensor, n_chunks: int, C: int):
+    """(B, H, N*C, ·) -> (B*H*N, C, ·), views of contiguous inputs."""
+    return (phi_q.reshape(n_chunks, C, phi_q.shape[-1]), phi_k.reshape(n_chunks, C, phi_k.shape[-1]),
+            v.reshape(n_chunks, C, v.shape[-1]))
+
+
+def _unchunk(x: Tensor, B: int, H: int, T: int) -> Tensor:
+    """(B*H*N, C, ·) -> (B, H, T, ·), dropping the zero padding of a ragged tail."""
+    x = x.view(B, H, -1, x.shape[-1])
+    return x if x.shape[2] == T else x[:, :, :T].contiguous()
+
+
+def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor] = None,
+                               z0: Optional[Tensor] = None, *, normalize: bool = True, eps: float = 1e-6,
+                               chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
+    """Fast chunkwise causal linear attention on features (what ``method="chunk"`` runs).
+
+    Same mathematics as :func:`chunk_linear_attention`, organised for speed and memory:
+    all chunks of all heads go through a handful of batched matmuls, the exclusive
+    prefix over chunk states is one in-place ``cumsum``, the normaliser takes its own
+    cheap matrix-vector path (no column of ones appended to ``v``), and the backward is
+    written by hand (a ``torch.autograd.Function``): it stores only the inputs, the output
+    and the normaliser, recomputes the intra-chunk scores and chunk states, and runs a
+    reverse scan over chunks for the gradients of the keys and values. Nothing of size
+    ``(B, H, T, M, Dv)`` or ``(B, H, T, T)`` is ever formed: the largest intermediates are
+    ``(B, H, T, C)`` scores and ``(B, H, T/C, M, Dv)`` chunk states.
+
+    Parameters
+    ----------
+    phi_q, phi_k : Tensor
+        ``(B, H, T, M)`` features, float32 or float64.
+    v : Tensor
+        ``(B, H, T, Dv)`` values, same dtype.
+    S0, z0 : Tensor, optional
+        ``(B, H, M, Dv)`` and ``(B, H, M)``: the state before the first token (zeros if None).
+    normalize : bool
+        Divide by ``max(φ(q_i)ᵀz_i, eps)``.
+    eps : float
+        Positive lower bound of the normaliser.
+    chunk_size : int
+        Tokens per chunk; ``T`` need not be a multiple.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, T, Dv)``.
+    S, z : Tensor
+        The state after the last token, ``(B, H, M, Dv)`` and ``(B, H, M)``.
+    """
+    phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
+    return _ChunkwiseLinearAttention.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)

@@ -84,8 +84,9 @@ class LinearAttentionState:
 
 
 def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_dim: int,
-                        dtype: torch.dtype, device, name: str = "initial_state") -> Optional[Tensor]:
-    """Validate a user-supplied state and return it augmented, in ``dtype`` (or None)."""
+                        dtype: torch.dtype, device, name: str = "initial_state"
+                        ) -> Optional[LinearAttentionState]:
+    """Validate a user-supplied state and return it in ``dtype`` (or None)."""
     if state is None:
         return None
     if not isinstance(state, LinearAttentionState):
@@ -99,7 +100,7 @@ def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_d
         )
     if state.S.device != device:
         raise ValueError(f"{name} is on {state.S.device} but the inputs are on {device}")
-    return state.augmented().to(dtype)
+    return state.to(dtype)
 
 
 def finish(out_aug: Tensor, normalize: bool, eps: float) -> Tensor:
@@ -189,9 +190,11 @@ def linear_attention_step(
     phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
     B, H, M = phi_k.shape
     Dv = v.shape[-1]
-    S_aug = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
-    if S_aug is None:
+    state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+    if state is None:
         S_aug = torch.zeros(B, H, M, Dv + 1, dtype=acc, device=q.device)
+    else:
+        S_aug = state.augmented()
     v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)  # (B, H, Dv + 1)
     out_aug, S_aug = step_features(phi_q, phi_k, v_aug, S_aug)
     out = finish(out_aug, normalize, eps).to(q.dtype)
