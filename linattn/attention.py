@@ -112,7 +112,9 @@ def linear_attention(
     - ``"parallel"``: non-causal only; ``φ(Q)(φ(K)ᵀV)``, cost ``O(T·M·Dv)``.
     - ``"quadratic"``: the masked ``Tq×Tk`` matrix ``φ(Q)φ(K)ᵀ``, cost ``O(T²·(M + Dv))``.
     - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
-    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.chunked`.
+    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.chunked`. On CUDA,
+      when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
+      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it).
     - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
 
     Parameters
@@ -181,6 +183,14 @@ def linear_attention(
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     v32 = v.to(acc)
+    if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
+        from .kernels import chunk_linear_attention_triton
+
+        S0 = None if state0 is None else state0.augmented()
+        v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)   # (B, H, T, Dv + 1)
+        out_aug, S = chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size)
+        out = finish(out_aug, normalize, eps).to(q.dtype)
+        return (out, LinearAttentionState.from_augmented(S)) if return_state else out
     if method == "chunk":
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
@@ -201,6 +211,17 @@ def linear_attention(
     if return_state:
         return out, LinearAttentionState.from_augmented(S)
     return out
+
+
+def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
+    """The Triton kernel runs for CUDA float32 features and power-of-two chunks >= 16."""
+    if not phi_q.is_cuda or phi_q.dtype != torch.float32:
+        return False
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        return False
+    from .kernels import triton_available
+
+    return triton_available()
 
 
 def _resolve_method(method, causal: bool) -> str:

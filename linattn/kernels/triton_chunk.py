@@ -29,7 +29,8 @@ Kernels (one program per grid cell; ``BK``, ``BV`` are power-of-two tiles of ``M
 Only the inputs are saved for backward; the per-chunk states ``S_{c-1}`` are recomputed
 by a second forward scan. Memory beyond inputs and outputs: ``N`` float32 ``M×Dv`` states
 per head (two such buffers in backward), never ``(T, M, Dv)`` or ``(T, T)``.
-Every product accumulates in float32; float32 inputs multiply in full float32 (no TF32).
+Every product accumulates in float32. float32 inputs multiply in full float32 unless
+``torch.set_float32_matmul_precision("high")`` allows TF32, as for ``torch.matmul``.
 
 The kernels call Triton builtins only (``tl.full``, not the ``@triton.jit`` helper
 ``tl.zeros``): then ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, for tests) takes
@@ -37,6 +38,7 @@ effect whenever it is set before this module is imported, even after ``import tr
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -209,8 +211,7 @@ class _Config:
         self.BK = _tile(self.M)
         self.BV = _tile(self.DV)
         self.NK, self.NV = triton.cdiv(self.M, self.BK), triton.cdiv(self.DV, self.BV)
-        # float32 inputs multiply in full float32; half inputs are exact in TF32.
-        self.prec = "ieee" if v.dtype == torch.float32 else "tf32"
+        self.prec = _dot_precision(v.dtype)
 
     def sizes(self) -> dict:
         return dict(T=self.T, M=self.M, DV=self.DV, NT=self.NT, C=self.C, BK=self.BK, BV=self.BV,
@@ -218,6 +219,18 @@ class _Config:
 
     def new_states(self, like: Tensor) -> Tensor:
         return like.new_empty(self.BH, self.NT, self.M, self.DV, dtype=torch.float32)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision for float32 operands, following PyTorch's matmul setting.
+
+    float32 inputs multiply in full float32 (``"ieee"``, as ``torch.matmul`` does by
+    default) unless ``torch.set_float32_matmul_precision("high")`` allows TF32; half
+    inputs are converted to float32 and are exact in TF32 (10-bit mantissa), so they use it.
+    """
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def _tile(n: int) -> int:
@@ -235,6 +248,11 @@ def _scan(cfg: _Config, a: Tensor, b: Tensor, init: Optional[Tensor], final: Opt
         HAS_INIT=init is not None, STORE_FINAL=final is not None, REVERSE=reverse, PREC=cfg.prec,
     )
     return states
+
+
+def _on(device: torch.device):
+    """Launch on the tensors' GPU (Triton launches on the current one), not e.g. cuda:0."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
@@ -259,29 +277,37 @@ class _ChunkLinearAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(phi_q, phi_k, v, S0)
-        return _forward(phi_q, phi_k, v, S0, chunk_size)
+        with _on(v.device):
+            return _forward(phi_q, phi_k, v, S0, chunk_size)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_out, d_S):
         phi_q, phi_k, v, S0 = ctx.saved_tensors
-        need_q, need_k, need_v, need_S0 = ctx.needs_input_grad[:4]
-        cfg = _Config(phi_k, v, ctx.chunk_size)
-        d_out = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
-        d_S = None if d_S is None else d_S.float().contiguous()
-        dS0 = torch.empty_like(S0, dtype=torch.float32) if need_S0 else None
-        grads = _scan(cfg, phi_q, d_out, d_S, dS0, reverse=True)          # G_c, (B·H, N, M, Dv)
-        dq = dk = dv = None
-        if need_q or need_k:
-            states = _scan(cfg, phi_k, v, S0, None, reverse=False)         # S_{c-1}, recomputed
-            dq, dk = torch.empty_like(phi_q), torch.empty_like(phi_k)
-            _dqk_kernel[(cfg.BH, cfg.NT, cfg.NK)](phi_q, phi_k, v, d_out, states, grads, dq, dk,
-                                                  **cfg.sizes())
-        if need_v:
-            dv = torch.empty_like(v)
-            _dv_kernel[(cfg.BH, cfg.NT, cfg.NV)](phi_q, phi_k, d_out, grads, dv, **cfg.sizes())
-        return (dq if need_q else None, dk if need_k else None, dv,
-                dS0.to(S0.dtype) if need_S0 else None, None)
+        with _on(v.device):
+            return _backward(ctx, phi_q, phi_k, v, S0, d_out, d_S)
+
+
+def _backward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
+              d_out: Optional[Tensor], d_S: Optional[Tensor]) -> tuple:
+    """Gradients for the inputs that need them: the reverse scan, then dQ, dK and dV by chunk."""
+    need_q, need_k, need_v, need_S0 = ctx.needs_input_grad[:4]
+    cfg = _Config(phi_k, v, ctx.chunk_size)
+    d_out = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
+    d_S = None if d_S is None else d_S.float().contiguous()
+    dS0 = torch.empty_like(S0, dtype=torch.float32) if need_S0 else None
+    grads = _scan(cfg, phi_q, d_out, d_S, dS0, reverse=True)          # G_c, (B·H, N, M, Dv)
+    dq = dk = dv = None
+    if need_q or need_k:
+        states = _scan(cfg, phi_k, v, S0, None, reverse=False)         # S_{c-1}, recomputed
+        dq, dk = torch.empty_like(phi_q), torch.empty_like(phi_k)
+        _dqk_kernel[(cfg.BH, cfg.NT, cfg.NK)](phi_q, phi_k, v, d_out, states, grads, dq, dk,
+                                              **cfg.sizes())
+    if need_v:
+        dv = torch.empty_like(v)
+        _dv_kernel[(cfg.BH, cfg.NT, cfg.NV)](phi_q, phi_k, d_out, grads, dv, **cfg.sizes())
+    return (dq if need_q else None, dk if need_k else None, dv,
+            dS0.to(S0.dtype) if need_S0 else None, None)
 
 
 def chunk_linear_attention_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],

@@ -1,0 +1,209 @@
+"""linattn.bench: the command line end to end, the baselines, the memory guard, bad flags.
+
+No assertion here is about speed (shared machines are noisy): only shapes, schema,
+signs, statuses and the numbers the baselines compute.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import linattn
+from linattn import bench
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64 against float64: only summation order differs
+TINY = dict(device="cpu", batch=1, heads=2, head_dim=8, repeats=1, warmup=0, matmul_size=128)
+
+ROW_KEYS = {
+    "method", "seq_len", "batch", "heads", "head_dim", "chunk_size", "dtype", "device", "status", "note",
+    "fwd_s", "fwd_bwd_s", "peak_memory_bytes", "memory_pass", "predicted_memory_bytes", "max_memory_bytes",
+    "fwd_flops", "fwd_gflops", "matmul_gflops", "matmul_fraction",
+}
+MEASURED = ("fwd_s", "fwd_bwd_s", "peak_memory_bytes", "fwd_gflops", "matmul_fraction")
+
+
+def _qkv(B, H, T, D, Dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, T, d, generator=gen, dtype=torch.float64, requires_grad=True)
+                 for d in (D, D, Dv))
+
+
+def _output_and_grads(fn, q, k, v):
+    out = fn(q, k, v)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return (out, *torch.autograd.grad(out, (q, k, v), upstream))
+
+
+# ------------------------------------------------------------------ command line, end to end
+
+
+def test_cli_end_to_end_writes_json_table_and_plot(tmp_path):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "linattn.bench", "--device", "cpu", "--seq-lens", "64", "100",
+           "--heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0",
+           "--json", str(out_json), "--plot", str(out_png), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("fwd ms", "fwd+bwd ms", "GFLOP/s", "baseline_chunk", "sdpa", "cumsum", "chunk"):
+        assert word in proc.stdout
+
+    data = json.loads(out_json.read_text())
+    meta = data["metadata"]
+    for key in ("torch_version", "linattn_version", "device", "device_name", "cpu_count", "torch_threads",
+                "dtype", "batch", "heads", "head_dim", "seq_lens", "methods", "repeats", "warmup",
+                "chunk_size", "matmul_gflops", "date", "command"):
+        assert key in meta, key
+    assert meta["dtype"] == "float32" and meta["device"] == "cpu" and meta["seq_lens"] == [64, 100]
+    assert meta["methods"] == list(bench.METHODS) and meta["matmul_gflops"] > 0
+
+    results = data["results"]
+    assert [(r["seq_len"], r["method"]) for r in results] == [(T, m) for T in (64, 100) for m in bench.METHODS]
+    for r in results:
+        assert set(r) == ROW_KEYS
+        expected = "unavailable" if r["method"] == "fused" else "ok"   # no CUDA in a CPU run
+        assert r["status"] == expected, r["note"]
+        assert r["fwd_flops"] > 0 and r["predicted_memory_bytes"] > 0
+        if expected == "ok":
+            assert all(r[key] > 0 for key in MEASURED), r
+            assert r["memory_pass"] == "fwd+bwd"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ baselines against linattn
+
+
+@pytest.mark.parametrize("T", [1, 37, 128])
+@pytest.mark.parametrize("baseline", ["cumsum", "baseline_chunk C=1", "baseline_chunk C=16",
+                                      "baseline_chunk C=64", "baseline_chunk C=200"])
+def test_baselines_match_quadratic_outputs_and_gradients(baseline, T):
+    if baseline == "cumsum":
+        fn = bench.cumsum_linear_attention
+    else:
+        C = int(baseline.split("=")[1])
+        fn = lambda q, k, v: bench.baseline_chunk_linear_attention(q, k, v, chunk_size=C)  # noqa: E731
+    q, k, v = _qkv(2, 3, T, 8, 5)
+    got = _output_and_grads(fn, q, k, v)
+    want = _output_and_grads(lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, method="quadratic"),
+                             q, k, v)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, w, **TIGHT, msg=f"{baseline}, T={T}: {name} differs")
+
+
+@pytest.mark.parametrize("fn", [bench.cumsum_linear_attention, bench.baseline_chunk_linear_attention])
+def test_baselines_keep_half_dtype_and_reject_bad_input(fn):
+    q, k, v = (x.detach().to(torch.bfloat16) for x in _qkv(1, 2, 20, 4, 4))
+    out = fn(q, k, v)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 2, 20, 4)
+    ref = linattn.linear_attention(q.float(), k.float(), v.float(), causal=True, method="quadratic")
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="k"):
+        fn(q, k[:, :, :10], v)
+
+
+# ------------------------------------------------------------------ bad flags
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dtype", "float64"],
+    ["--methods", "flash"],
+    ["--methods"],
+    ["--seq-lens", "0"],
+    ["--seq-lens", "1k"],
+    ["--repeats", "0"],
+    ["--warmup", "-1"],
+    ["--heads", "2.5"],
+    ["--max-memory-gb", "0"],
+    ["--max-memory-gb", "lots"],
+    ["--device", "tpu"],
+    ["--json", "/no/such/folder/out.json"],
+    ["--frobnicate"],
+])
+def test_bad_flags_give_a_clean_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m linattn.bench" in err and "error:" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_clean_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cuda"])
+    assert exc.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ function API and the memory guard
+
+
+def test_memory_guard_marks_skipped_cells():
+    shape = dict(batch=1, heads=2, head_dim=8)
+    quad = bench.predict_memory("quadratic", 512, **shape)
+    chunk = bench.predict_memory("chunk", 512, **shape)
+    assert chunk < quad
+    limit_gb = (chunk + quad) / 2 / 1e9
+    results = bench.run_benchmark(["quadratic", "chunk"], [512], **TINY, max_memory_gb=limit_gb)
+    by_method = {r["method"]: r for r in results}
+    assert by_method["quadratic"]["status"] == "skipped"
+    assert "predicted" in by_method["quadratic"]["note"]
+    assert all(by_method["quadratic"][key] is None for key in MEASURED)
+    assert by_method["chunk"]["status"] == "ok"
+    assert by_method["chunk"]["max_memory_bytes"] == int(limit_gb * 1e9)
+    table = bench.format_table(results)
+    assert "skipped: predicted" in table
+
+
+def test_run_benchmark_forward_only_and_prediction_bounds_measured_memory():
+    methods = ["sdpa", "quadratic", "cumsum", "baseline_chunk", "chunk"]
+    for backward in (True, False):
+        results = bench.run_benchmark(methods, [50, 130], **TINY, backward=backward, chunk_size=16)
+        for r in results:
+            assert r["status"] == "ok", r["note"]
+            assert r["fwd_s"] > 0 and r["peak_memory_bytes"] > 0
+            assert r["peak_memory_bytes"] <= r["predicted_memory_bytes"], r   # the guard errs high
+            if backward:
+                assert r["memory_pass"] == "fwd+bwd" and r["fwd_bwd_s"] > 0
+            else:
+                assert r["memory_pass"] == "fwd" and r["fwd_bwd_s"] is None
+    table = bench.format_table(results)
+    assert len([line for line in table.splitlines() if line.lstrip().startswith(("50 ", "130 "))]) == 10
+
+
+def test_fused_is_unavailable_on_cpu():
+    (row,) = bench.run_benchmark(["fused"], [16], **TINY)
+    assert row["status"] == "unavailable" and "CUDA" in row["note"]
+    assert "unavailable" in bench.format_table([row])
+
+
+def test_forward_flops_share_one_count_per_problem():
+    shape = dict(batch=2, heads=3, head_dim=8)
+    counts = {m: bench.forward_flops(m, 100, **shape, chunk_size=16) for m in bench.METHODS}
+    assert counts["sdpa"] == counts["quadratic"] == 2 * 3 * 100 * 101 * 16
+    per_token = 2 * 16 * (8 + 8 + 1) + 4 * 8 * (8 + 1)
+    assert {counts[m] for m in bench.LINEAR_METHODS} == {2 * 3 * 100 * per_token}
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(methods=["flash"]), ValueError),
+    (dict(methods=[]), ValueError),
+    (dict(seq_lens=[]), ValueError),
+    (dict(seq_lens=[0]), ValueError),
+    (dict(seq_lens=[8.0]), TypeError),
+    (dict(dtype="float64"), ValueError),
+    (dict(repeats=0), ValueError),
+    (dict(max_memory_gb=0), ValueError),
+    (dict(device="meta"), ValueError),
+])
+def test_run_benchmark_rejects_bad_arguments(kwargs, error):
+    args = dict(methods=["chunk"], seq_lens=[8], **TINY)
+    args.update(kwargs)
+    with pytest.raises(error):
+        bench.run_benchmark(args.pop("methods"), args.pop("seq_lens"), **args)
