@@ -192,10 +192,13 @@ def linear_attention_step(
     Dv = v.shape[-1]
     state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
     if state is None:
-        S_aug = torch.zeros(B, H, M, Dv + 1, dtype=acc, device=q.device)
+        S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                      # (B, H, M, Dv)
+        z = phi_k                                                        # (B, H, M)
     else:
-        S_aug = state.augmented()
-    v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)  # (B, H, Dv + 1)
-    out_aug, S_aug = step_features(phi_q, phi_k, v_aug, S_aug)
-    out = finish(out_aug, normalize, eps).to(q.dtype)
-    return out, LinearAttentionState.from_augmented(S_aug)
+        S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
+        z = state.z + phi_k
+    out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                          # (B, H, Dv)
+    if normalize:
+        den = (phi_q * z).sum(-1, keepdim=True)                          # (B, H, 1)
+        out = out / den.clamp_min(eps)
+    return out.to(q.dtype), LinearAttentionState(S, z)
