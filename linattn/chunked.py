@@ -7,8 +7,11 @@ sec. 2.2)::
 
     Y_c = φ(Q_c) S_{c-1} + tril(φ(Q_c) φ(K_c)ᵀ) V_c,     S_c = S_{c-1} + φ(K_c)ᵀ V_c
 
-Cost per head: ``O(T·C·(M + Dv) + T·M·Dv)`` time; memory beyond the inputs is one
-``C×C`` block and one ``M×Dv`` state per head.
+Cost per head: ``O(T·C·(M + Dv) + T·M·Dv)`` time. Run as a loop over chunks
+(:func:`chunk_linear_attention`, the clear reference) it holds one ``C×C`` block and one
+``M×Dv`` state per head at a time; run batched over all chunks
+(:func:`chunkwise_linear_attention`, the fast path) it holds ``(T/C)·C²`` scores and
+``(T/C)·M·Dv`` chunk states per head.
 """
 from __future__ import annotations
 
@@ -57,13 +60,14 @@ def chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional
     return torch.cat(outs, dim=2), S
 
 
-def _exclusive_chunk_prefix(per_chunk: Tensor, BH: int, N: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _exclusive_chunk_prefix(per_chunk: Tensor, BH: int, N: int, init: Optional[Tensor],
+                            final_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """Exclusive prefix sums over the chunks of each head, without copies of the big tensor.
 
     per_chunk : (BH * N, *rest) per-chunk contributions, head-major.
     init      : (BH, *rest) state before the first chunk, or None (zeros).
     Returns the state before each chunk, (BH * N, *rest), and the state after the last
-    chunk, (BH, *rest).
+    chunk, reshaped to ``final_shape``.
     """
     rest = per_chunk.shape[1:]
     buf = per_chunk.new_empty((BH * N + 1, *rest))
@@ -71,7 +75,7 @@ def _exclusive_chunk_prefix(per_chunk: Tensor, BH: int, N: int, init: Optional[T
     if init is not None:
         buf[1::N] += init                                        # fold the initial state into chunk 0
     buf[1:].view(BH, N, *rest).cumsum_(dim=1)                    # inclusive prefix, per head
-    final = buf[N::N].clone()                                    # (BH, *rest): after the last chunk
+    final = buf[N::N].reshape(final_shape).clone()               # after the last chunk (not a view)
     first = buf[0 : BH * N : N]                                  # slots read by chunk 0 of each head
     if init is not None:
         first.copy_(init)
@@ -110,9 +114,10 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
+        ctx.set_materialize_grads(False)   # unused outputs' gradients stay None: no zero tensors
         B, H, T, M = phi_q.shape
         Dv = v.shape[-1]
-        C = chunk_size
+        C = min(chunk_size, T)             # a chunk longer than the sequence only adds padding
         N = -(-T // C)
         if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
             pad = (0, 0, 0, N * C - T)
@@ -122,38 +127,49 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
         z0_ = None if z0 is None else z0.reshape(BH, M)
 
-        S_before, S_final = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_)
+        S_before, S_final = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_,
+                                                    (B, H, M, Dv))
         scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
-        out = torch.bmm(q_c, S_before)                                     # (BHN, C, Dv): earlier chunks
+        y = phi_q.new_empty(B, H, N * C, Dv)                               # the output, filled in place
+        out = torch.bmm(q_c, S_before, out=y.view(BH * N, C, Dv))          # (BHN, C, Dv): earlier chunks
         del S_before
         out.baddbmm_(scores, v_c)                                          # + this chunk
-        z_before, z_final = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_)
+        z_before, z_final = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_, (B, H, M))
         den = None
         if normalize:
             den = torch.bmm(q_c, z_before.unsqueeze(-1)).squeeze(-1)      # (BHN, C)
             den.add_(scores.sum(-1)).clamp_min_(eps)
             out.div_(den.unsqueeze(-1))
         del scores, z_before
-        ctx.save_for_backward(phi_q, phi_k, v, S0, z0, out, den)
+        del out
+        y_all = y                                  # (B, H, N*C, Dv); saved, as the output itself if T == N*C
+        if N * C != T:
+            y = y[:, :, :T].clone()                 # a tensor of its own, not a view
+        ctx.save_for_backward(phi_q, phi_k, v, S0, z0, y_all, den)
         ctx.config = (normalize, eps, C, T, N, BH)
-        return _unchunk(out, B, H, T), S_final.view(B, H, M, Dv), z_final.view(B, H, M)
+        return y, S_final, z_final
 
     @staticmethod
     def backward(ctx, g_out, g_S, g_z):
-        phi_q, phi_k, v, S0, z0, out, den = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: this backward is not itself differentiable
+            raise RuntimeError(
+                "double backward (create_graph=True) through the chunkwise linear attention is not "
+                "supported; use method='quadratic' or method='recurrent' for higher-order gradients"
+            )
+        phi_q, phi_k, v, S0, z0, y_all, den = ctx.saved_tensors
         normalize, eps, C, T, N, BH = ctx.config
         B, H, Tp, M = phi_q.shape
         Dv = v.shape[-1]
         q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
         if g_out is None:
-            g_out = out.new_zeros(B, H, T, Dv)
+            g_out = y_all.new_zeros(B, H, T, Dv)
         if Tp != T:
             g_out = F.pad(g_out, (0, 0, 0, Tp - T))
         g_o = g_out.reshape(BH * N, C, Dv)
         g_den = None
         if normalize:
             # y = o / d  =>  dL/do = g / d,  dL/dd = -(g . y) / d  (zero where d was clamped to eps)
-            g_den = (g_o * out).sum(-1).div_(den).neg_()                   # (BHN, C)
+            g_den = (g_o * y_all.view(BH * N, C, Dv)).sum(-1).div_(den).neg_()   # (BHN, C)
             g_o = g_o / den.unsqueeze(-1)
             # den was clamped to >= eps: no gradient flows where the clamp was active.
             g_den = g_den.masked_fill_(den <= eps, 0.0)
@@ -162,7 +178,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
 
         # Recompute the forward's intermediates.
         scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
-        S_before, _ = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_)
+        S_before, _ = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_, (BH, M, Dv))
 
         # dL/dscores within the chunk (causal part only): g_o v^T (+ g_den 1^T).
         g_scores = torch.bmm(g_o, v_c.transpose(1, 2))                     # (BHN, C, C)
@@ -175,7 +191,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         g_q.baddbmm_(g_o, S_before.transpose(1, 2))
         del S_before
         if g_den is not None:
-            z_before, _ = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_)
+            z_before, _ = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_, (BH, M))
             g_q.add_(g_den.unsqueeze(-1) * z_before.unsqueeze(1))
             del z_before
 
