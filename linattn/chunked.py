@@ -60,23 +60,32 @@ def chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional
     return torch.cat(outs, dim=2), S
 
 
-def _exclusive_chunk_prefix(per_chunk: Tensor, BH: int, N: int, init: Optional[Tensor],
-                            final_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """Exclusive prefix sums over the chunks of each head, without copies of the big tensor.
+def _chunk_buffer(like: Tensor, BH: int, N: int, *rest: int) -> Tensor:
+    """Room for one value per chunk of every head, plus one spare slot: (BH * N + 1, *rest)."""
+    return like.new_empty((BH * N + 1, *rest))
 
-    per_chunk : (BH * N, *rest) per-chunk contributions, head-major.
-    init      : (BH, *rest) state before the first chunk, or None (zeros).
-    Returns the state before each chunk, (BH * N, *rest), and the state after the last
-    chunk, reshaped to ``final_shape``.
+
+def _exclusive_prefix_(buf: Tensor, BH: int, N: int, init: Optional[Tensor],
+                       final_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """In place: per-chunk contributions -> the state before each chunk (the forward scan).
+
+    ``buf[1:]`` holds the contribution of each chunk, head-major ((BH * N, *rest)); ``init``
+    (BH, *rest) is the state before the first chunk, or None for zeros. The scan runs over
+    the chunks in place, so that ``buf[:BH * N]`` becomes the state *before* each chunk (an
+    exclusive prefix, read at an offset of one slot). Returns that view and the state after
+    the last chunk, reshaped to ``final_shape`` (a tensor of its own).
+
+    The scan is a Python loop over chunks rather than ``cumsum_``: on the CPU a cumsum
+    along a dimension whose stride is a power of two (here ``M*Dv`` floats) runs several
+    times slower than ``N`` in-place additions of one chunk state each.
     """
-    rest = per_chunk.shape[1:]
-    buf = per_chunk.new_empty((BH * N + 1, *rest))
-    buf[1:] = per_chunk
+    x = buf[1:].view(BH, N, *buf.shape[1:])                      # (BH, N, *rest)
     if init is not None:
-        buf[1::N] += init                                        # fold the initial state into chunk 0
-    buf[1:].view(BH, N, *rest).cumsum_(dim=1)                    # inclusive prefix, per head
-    final = buf[N::N].reshape(final_shape).clone()               # after the last chunk (not a view)
-    first = buf[0 : BH * N : N]                                  # slots read by chunk 0 of each head
+        x[:, 0] += init
+    for c in range(1, N):                                        # inclusive prefix, per head
+        x[:, c] += x[:, c - 1]
+    final = x[:, N - 1].reshape(final_shape).clone()
+    first = buf[0 : BH * N : N]                                  # the slots chunk 0 of each head reads
     if init is not None:
         first.copy_(init)
     else:
@@ -84,32 +93,35 @@ def _exclusive_chunk_prefix(per_chunk: Tensor, BH: int, N: int, init: Optional[T
     return buf[: BH * N], final
 
 
-def _exclusive_chunk_suffix(per_chunk: Tensor, BH: int, N: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Exclusive suffix sums over chunks (the backward's reverse scan).
+def _exclusive_suffix_(buf: Tensor, BH: int, N: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """In place: per-chunk contributions -> ``init + Σ`` over the later chunks (the backward scan).
 
-    Returns, for each chunk, ``init + Σ_{later chunks}`` (BH * N, *rest), and
-    ``init + Σ_{all chunks}`` (BH, *rest).
+    ``buf[:BH * N]`` holds the contribution of each chunk; afterwards ``buf[1:]`` holds, for
+    each chunk, ``init`` plus the sum over the chunks after it. Also returns ``init`` plus
+    the sum over all chunks, (BH, *rest).
     """
-    rest = per_chunk.shape[1:]
-    rev = per_chunk.view(BH, N, *rest).flip(1)                   # copy, chunks last-to-first
+    x = buf[: BH * N].view(BH, N, *buf.shape[1:])                # (BH, N, *rest)
     if init is not None:
-        rev[:, 0] += init
-    rev.cumsum_(dim=1)                                           # inclusive, from the end
-    total = rev[:, -1].clone()
-    excl = rev.new_empty((BH, N, *rest))
-    excl[:, :-1] = rev[:, :-1].flip(1)                           # chunk c gets Σ over chunks > c
+        x[:, N - 1] += init
+    for c in range(N - 2, -1, -1):                               # inclusive suffix, per head
+        x[:, c] += x[:, c + 1]
+    total = x[:, 0].clone()
+    last = buf[N::N]                                             # the slots the last chunk of each head reads
     if init is not None:
-        excl[:, -1] = init
+        last.copy_(init)
     else:
-        excl[:, -1].zero_()
-    return excl.view(BH * N, *rest), total
+        last.zero_()
+    return buf[1:], total
 
 
 class _ChunkwiseLinearAttention(torch.autograd.Function):
-    """Chunkwise causal linear attention with a hand-written backward that recomputes.
+    """Chunkwise causal linear attention with a hand-written backward.
 
-    The forward keeps only its inputs, the output and the normaliser; the backward
-    recomputes the intra-chunk scores and the chunk states, then runs the reverse scan.
+    When a gradient is needed the forward keeps, besides its inputs, the output, the
+    normaliser, the masked intra-chunk scores ``(B·H·T·C)`` and the states before each
+    chunk ``(B·H·(T/C)·M·(Dv + 1))``: storing them costs two input-sized tensors and saves
+    the backward two of its ten batched matmuls (measured: about 1.2x faster backward on
+    CPU). Everything else, including the reverse scan, is computed in the backward.
     """
 
     @staticmethod
@@ -127,25 +139,25 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
         z0_ = None if z0 is None else z0.reshape(BH, M)
 
-        S_before, S_final = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_,
-                                                    (B, H, M, Dv))
+        kv = _chunk_buffer(phi_q, BH, N, M, Dv)
+        torch.bmm(k_c.transpose(1, 2), v_c, out=kv[1:])                   # per-chunk φ(K_c)ᵀV_c
+        S_before, S_final = _exclusive_prefix_(kv, BH, N, S0_, (B, H, M, Dv))
         scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
         y = phi_q.new_empty(B, H, N * C, Dv)                               # the output, filled in place
         out = torch.bmm(q_c, S_before, out=y.view(BH * N, C, Dv))          # (BHN, C, Dv): earlier chunks
-        del S_before
         out.baddbmm_(scores, v_c)                                          # + this chunk
-        z_before, z_final = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_, (B, H, M))
+        z_before, z_final = _normaliser_states(k_c, BH, N, M, z0_, (B, H, M))
         den = None
         if normalize:
             den = torch.bmm(q_c, z_before.unsqueeze(-1)).squeeze(-1)      # (BHN, C)
             den.add_(scores.sum(-1)).clamp_min_(eps)
             out.div_(den.unsqueeze(-1))
-        del scores, z_before
         del out
         y_all = y                                  # (B, H, N*C, Dv); saved, as the output itself if T == N*C
         if N * C != T:
             y = y[:, :, :T].clone()                 # a tensor of its own, not a view
-        ctx.save_for_backward(phi_q, phi_k, v, S0, z0, y_all, den)
+        if any(ctx.needs_input_grad[:5]):
+            ctx.save_for_backward(phi_q, phi_k, v, S0, z0, y_all, den, scores, S_before, z_before)
         ctx.config = (normalize, eps, C, T, N, BH)
         return y, S_final, z_final
 
@@ -156,7 +168,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
                 "double backward (create_graph=True) through the chunkwise linear attention is not "
                 "supported; use method='quadratic' or method='recurrent' for higher-order gradients"
             )
-        phi_q, phi_k, v, S0, z0, y_all, den = ctx.saved_tensors
+        phi_q, phi_k, v, S0, z0, y_all, den, scores, S_before, z_before = ctx.saved_tensors
         normalize, eps, C, T, N, BH = ctx.config
         B, H, Tp, M = phi_q.shape
         Dv = v.shape[-1]
@@ -173,12 +185,6 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
             g_o = g_o / den.unsqueeze(-1)
             # den was clamped to >= eps: no gradient flows where the clamp was active.
             g_den = g_den.masked_fill_(den <= eps, 0.0)
-        S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
-        z0_ = None if z0 is None else z0.reshape(BH, M)
-
-        # Recompute the forward's intermediates.
-        scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
-        S_before, _ = _exclusive_chunk_prefix(torch.bmm(k_c.transpose(1, 2), v_c), BH, N, S0_, (BH, M, Dv))
 
         # dL/dscores within the chunk (causal part only): g_o v^T (+ g_den 1^T).
         g_scores = torch.bmm(g_o, v_c.transpose(1, 2))                     # (BHN, C, C)
@@ -189,28 +195,29 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         # dφ(q): this chunk's keys, plus the states before the chunk.
         g_q = torch.bmm(g_scores, k_c)                                     # (BHN, C, M)
         g_q.baddbmm_(g_o, S_before.transpose(1, 2))
-        del S_before
         if g_den is not None:
-            z_before, _ = _exclusive_chunk_prefix(k_c.sum(1), BH, N, z0_, (BH, M))
-            g_q.add_(g_den.unsqueeze(-1) * z_before.unsqueeze(1))
-            del z_before
+            g_q.baddbmm_(g_den.unsqueeze(-1), z_before.unsqueeze(1))     # outer product g_den z_beforeᵀ
 
         # Reverse scan: gradient of the state each chunk's keys feed, from later queries.
         gS_init = None if g_S is None else g_S.reshape(BH, M, Dv)
-        g_S_after, g_S0 = _exclusive_chunk_suffix(torch.bmm(q_c.transpose(1, 2), g_o), BH, N, gS_init)
+        qg = _chunk_buffer(phi_q, BH, N, M, Dv)
+        torch.bmm(q_c.transpose(1, 2), g_o, out=qg[: BH * N])              # per-chunk φ(Q_c)ᵀdO_c
+        g_S_after, g_S0 = _exclusive_suffix_(qg, BH, N, gS_init)
         g_k = torch.bmm(g_scores.transpose(1, 2), q_c)                     # (BHN, C, M)
         del g_scores
         g_k.baddbmm_(v_c, g_S_after.transpose(1, 2))
         g_v = torch.bmm(scores.transpose(1, 2), g_o)                       # (BHN, C, Dv)
-        del scores
         g_v.baddbmm_(k_c, g_S_after)
         del g_S_after
         g_z0 = None
         if g_den is not None or g_z is not None:
-            qz = torch.bmm(q_c.transpose(1, 2), g_den.unsqueeze(-1)).squeeze(-1) if g_den is not None \
-                else q_c.new_zeros(BH * N, M)
+            qz = _chunk_buffer(phi_q, BH, N, M)
+            if g_den is not None:
+                torch.bmm(q_c.transpose(1, 2), g_den.unsqueeze(-1), out=qz[: BH * N].unsqueeze(-1))
+            else:
+                qz.zero_()
             gz_init = None if g_z is None else g_z.reshape(BH, M)
-            g_z_after, g_z0 = _exclusive_chunk_suffix(qz, BH, N, gz_init)
+            g_z_after, g_z0 = _exclusive_suffix_(qz, BH, N, gz_init)
             g_k.add_(g_z_after.unsqueeze(1))
             del g_z_after
         return (
@@ -223,6 +230,14 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _normaliser_states(k_c: Tensor, BH: int, N: int, M: int, z0: Optional[Tensor],
+                       final_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """z before each chunk (BH * N, M) and after the last one, from the chunks' key features."""
+    zs = _chunk_buffer(k_c, BH, N, M)
+    torch.sum(k_c, dim=1, out=zs[1:])                                      # per-chunk Σ φ(k)
+    return _exclusive_prefix_(zs, BH, N, z0, final_shape)
 
 
 def _chunks(phi_q: Tensor, phi_k: Tensor, v: Tensor, n_chunks: int, C: int):

@@ -41,7 +41,7 @@ def elu_plus_one(x: Tensor) -> Tensor:
         If ``x`` is not a floating-point tensor.
     """
     _check_floating(x, "x")
-    return F.elu(x) + 1.0
+    return F.elu(x).add_(1.0)  # in place: elu's backward needs its input, not its output
 
 
 def relu(x: Tensor) -> Tensor:
