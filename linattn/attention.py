@@ -134,7 +134,9 @@ def linear_attention(
         Divide by the normaliser (True) or return the numerator ``Σ φ(q_i)ᵀφ(k_j) v_j``.
     eps : float
         Positive lower bound on the normaliser; it only matters when the normaliser can
-        reach zero (maps that are not strictly positive, such as ReLU).
+        reach zero (maps that are not strictly positive, such as ReLU). A feature map with
+        negative values can make the normaliser negative, and the clamp then turns it into
+        ``eps``: the output is meaningless (chapter 2 shows why). Use a non-negative φ.
     method : str
         One of ``"auto"``, ``"parallel"``, ``"quadratic"``, ``"recurrent"``, ``"chunk"``.
     chunk_size : int

@@ -23,9 +23,11 @@ except ``sdpa``, which is the softmax reference):
     :func:`baseline_chunk_linear_attention`: a straightforward PyTorch chunkwise form;
     the baseline that ``chunk`` and ``fused`` are measured against.
 ``chunk``
-    ``linattn.linear_attention(..., causal=True, method="chunk")``: the package's path.
+    ``linattn.linear_attention(..., causal=True, method="chunk")``: the package's path
+    (on CUDA with Triton it dispatches to the fused kernel itself).
 ``fused``
-    :func:`linattn.kernels.chunk_linear_attention_triton` (CUDA with Triton only).
+    :func:`linattn.kernels.chunk_linear_attention_triton` called directly (CUDA with
+    Triton only; ``"unavailable"`` elsewhere).
 
 Each (method, T) cell reports the median forward time (under ``torch.no_grad``), the
 median forward+backward time (``torch.autograd.grad`` of the output against a random
@@ -484,7 +486,7 @@ def predict_memory(method: str, seq_len: int, *, batch: int, heads: int, head_di
     return int(inputs_and_grads + extra)
 
 
-def matmul_gflops(device: Union[torch.device, str] = "cpu", *, size: int = 2048, repeats: int = 3,
+def matmul_gflops(device: Union[torch.device, str] = "cpu", *, size: int = 2048, repeats: int = 5,
                   warmup: int = 1) -> float:
     """This machine's float32 matmul throughput: ``2·size³`` FLOPs over the median time, in GFLOP/s.
 
@@ -524,7 +526,7 @@ def run_benchmark(
     batch: int = 1,
     heads: int = 4,
     head_dim: int = 64,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     backward: bool = True,
     max_memory_gb: Optional[float] = None,
@@ -602,8 +604,10 @@ def run_benchmark(
     for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"),
                         (repeats, "repeats"), (chunk_size, "chunk_size"), (matmul_size, "matmul_size")):
         _check_positive_int(value, name)
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     max_bytes = _memory_limit(max_memory_gb, device)
 
     matmul = matmul_gflops(device, size=matmul_size, repeats=repeats, warmup=max(warmup, 1))
@@ -884,34 +888,23 @@ def _memory_limit(max_memory_gb: Optional[float], device: torch.device) -> float
 # --------------------------------------------------------------------------- command line
 
 
-def _arg_positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _arg_number(convert: type, minimum: float, strict: bool, what: str) -> Callable[[str], float]:
+    """An argparse ``type``: ``convert(text)``, which must be above (or at) ``minimum``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > minimum if strict else value >= minimum):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _arg_non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value
-
-
-def _arg_positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+_positive_int = _arg_number(int, 0, True, "a positive integer")
+_non_negative_int = _arg_number(int, 0, False, "a non-negative integer")
+_positive_float = _arg_number(float, 0.0, True, "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -922,37 +915,39 @@ def build_parser() -> argparse.ArgumentParser:
                     "(quadratic, cumsum, baseline_chunk, chunk, fused). Prints a table; optionally "
                     "writes JSON and a PNG.",
         epilog="Example: python -m linattn.bench --device cpu --seq-lens 1024 4096 --heads 8 --json out.json",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="where to run (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="input dtype")
-    parser.add_argument("--seq-lens", type=_arg_positive_int, nargs="+", default=list(DEFAULT_SEQ_LENS),
-                        metavar="T", help="sequence lengths")
-    parser.add_argument("--batch", type=_arg_positive_int, default=1, help="batch size B")
-    parser.add_argument("--heads", type=_arg_positive_int, default=4, help="heads H")
-    parser.add_argument("--head-dim", type=_arg_positive_int, default=64, help="head dimension D = Dv")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
-                        help=f"methods to run, out of: {', '.join(METHODS)}")
-    parser.add_argument("--chunk-size", type=_arg_positive_int, default=DEFAULT_CHUNK_SIZE,
-                        help="chunk size C of the chunkwise methods")
-    parser.add_argument("--repeats", type=_arg_positive_int, default=3, help="timed calls per measurement")
-    parser.add_argument("--warmup", type=_arg_non_negative_int, default=1, help="untimed calls first")
-    parser.add_argument("--no-backward", action="store_true", help="time the forward pass only")
-    parser.add_argument("--max-memory-gb", type=_arg_positive_float, default=None, metavar="GB",
-                        help="skip a cell whose predicted peak memory exceeds this (default: half the "
-                             "device's memory)")
-    parser.add_argument("--seed", type=_arg_non_negative_int, default=0, help="seed of the random inputs")
-    parser.add_argument("--json", metavar="PATH", help="write metadata and raw results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="save a PNG of time and memory against T (matplotlib)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add = parser.add_argument
+    add("--device", choices=("cpu", "cuda"), default=None,
+        help="where to run (default: cuda if available, else cpu)")
+    add("--dtype", choices=tuple(DTYPES), default="float32", help="input dtype (default: %(default)s)")
+    add("--seq-lens", type=_positive_int, nargs="+", default=list(DEFAULT_SEQ_LENS), metavar="T",
+        help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQ_LENS))})")
+    add("--batch", type=_positive_int, default=1, help="batch size B (default: %(default)s)")
+    add("--heads", type=_positive_int, default=4, help="heads H (default: %(default)s)")
+    add("--head-dim", type=_positive_int, default=64, help="head dimension D = Dv (default: %(default)s)")
+    add("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+        help=f"methods to run, out of: {', '.join(METHODS)} (default: all)")
+    add("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
+        help="chunk size C of the chunkwise methods (default: %(default)s)")
+    add("--repeats", type=_positive_int, default=5, help="timed calls per measurement (default: %(default)s)")
+    add("--warmup", type=_non_negative_int, default=1, help="untimed calls first (default: %(default)s)")
+    add("--no-backward", action="store_true", help="time the forward pass only")
+    add("--max-memory-gb", type=_positive_float, default=None, metavar="GB",
+        help="skip a cell whose predicted peak memory exceeds this; inf: no limit (default: half the "
+             "device's memory)")
+    add("--seed", type=_non_negative_int, default=0, help="seed of the random inputs (default: %(default)s)")
+    add("--json", metavar="PATH", help="write metadata and raw results as JSON")
+    add("--plot", metavar="PATH", help="save a PNG of time and memory against T (matplotlib)")
+    add("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``python -m linattn.bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
 
-    Bad flags exit with argparse's usage message and status 2.
+    0 when every cell that could run ran (skipped and unavailable cells are fine), 1 when
+    a cell failed (the table, JSON and plot are written all the same). Bad flags exit with
+    argparse's usage message and status 2.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -988,7 +983,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.plot is not None:
         plot_results(results, args.plot)
         print(f"wrote {args.plot}")
-    return 0
+    return 1 if any(r["status"] == "failed" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -177,6 +177,25 @@ def test_run_benchmark_forward_only_and_prediction_bounds_measured_memory():
     assert len([line for line in table.splitlines() if line.lstrip().startswith(("50 ", "130 "))]) == 10
 
 
+def test_a_failing_cell_is_reported_and_the_run_goes_on(monkeypatch, capsys):
+    real = bench._method_fn
+
+    def broken(method, chunk_size):
+        if method == "chunk":
+            def fn(q, k, v):
+                raise RuntimeError("out of memory (simulated)\nsecond line")
+            return fn
+        return real(method, chunk_size)
+
+    monkeypatch.setattr(bench, "_method_fn", broken)
+    argv = ["--device", "cpu", "--seq-lens", "16", "--heads", "1", "--head-dim", "4", "--repeats", "1",
+            "--warmup", "0", "--methods", "chunk", "baseline_chunk", "--no-progress"]
+    assert bench.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "failed: out of memory (simulated)" in out and "second line" not in out
+    assert "baseline_chunk" in out
+
+
 def test_fused_is_unavailable_on_cpu():
     (row,) = bench.run_benchmark(["fused"], [16], **TINY)
     assert row["status"] == "unavailable" and "CUDA" in row["note"]
