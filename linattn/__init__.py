@@ -4,7 +4,11 @@ Public API (tensor layout ``(batch, heads, seq, dim)``, as in PyTorch's SDPA).
 """
 from .attention import linear_attention, softmax_attention
 from .feature_maps import elu_plus_one, get_feature_map, relu
+from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, PerformerFeatures, TaylorFeatures,
+                           distill_feature_map, squared_relu)
 from .recurrent import LinearAttentionState, linear_attention_step
+from .layers import (DecodingState, KVCache, LinearAttention, SoftmaxAttention, TransformerBlock,
+                     TransformerConfig, TransformerLM)
 from .utils import default_device, set_seed, use_book_style
 
 __version__ = "0.1.0"
@@ -17,7 +21,21 @@ __all__ = [
     "elu_plus_one",
     "relu",
     "get_feature_map",
+    "squared_relu",
+    "DPFPFeatures",
+    "PerformerFeatures",
+    "TaylorFeatures",
+    "HedgehogFeatures",
+    "CosFormerFeatures",
+    "distill_feature_map",
     "set_seed",
     "default_device",
     "use_book_style",
+    "LinearAttention",
+    "SoftmaxAttention",
+    "TransformerBlock",
+    "TransformerConfig",
+    "TransformerLM",
+    "KVCache",
+    "DecodingState",
 ]

@@ -6,6 +6,7 @@ says what it got and what it needs; nothing is broadcast silently.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -65,7 +66,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
             f"q and k must have the same head_dim (dim 3), got q {shape_str(q.shape)} "
             f"and k {shape_str(k.shape)}"
         )
-    check_bool(causal, "causal")
+    causal = check_bool(causal, "causal")
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(
             f"causal=True needs as many queries as keys, got q with seq {q.shape[2]} and k with "
@@ -73,9 +74,37 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
         )
 
 
-def check_bool(x, name: str) -> None:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+def type_name(x) -> str:
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_bool(x, name: str) -> bool:
+    """``x`` is a Python or NumPy bool; returns it as a Python bool."""
+    if isinstance(x, bool):
+        return x
+    if type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {type_name(x)}")
+
+
+def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
+    """``x`` is a real number, positive, and representable as a normal number of ``dtype``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type_name(x)}")
+    try:
+        x = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be a positive finite number, got {x}") from None
+    info = torch.finfo(dtype)
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"{name} must be a positive finite number, got {x}")
+    if not (info.tiny <= x <= info.max):
+        raise ValueError(
+            f"{name}={x:g} is not a normal {dtype} number (needs {info.tiny:.3g} <= {name} <= "
+            f"{info.max:.3g}, the dtype the computation runs in)"
+        )
+    return x
 
 
 def check_key_padding_mask(mask, k: Tensor) -> None:
@@ -96,18 +125,22 @@ def check_key_padding_mask(mask, k: Tensor) -> None:
         raise ValueError(f"key_padding_mask is on {mask.device} but k is on {k.device}")
 
 
-def check_eps(eps) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not (eps > 0 and math.isfinite(eps)):
-        raise ValueError(f"eps must be a positive finite number, got {eps}")
+def check_eps(eps, dtype: torch.dtype = torch.float64) -> float:
+    """``eps`` is positive and neither underflows nor overflows in ``dtype`` (where it is used)."""
+    return check_positive_float(eps, "eps", dtype)
 
 
-def check_chunk_size(chunk_size) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+def check_positive_int(x, name: str) -> int:
+    """``x`` is a Python or NumPy integer >= 1; returns it as a Python int."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type_name(x)}")
+    if x < 1:
+        raise ValueError(f"{name} must be >= 1, got {x}")
+    return int(x)
+
+
+def check_chunk_size(chunk_size) -> int:
+    return check_positive_int(chunk_size, "chunk_size")
 
 
 def check_features(phi_x: Tensor, x: Tensor, name: str) -> None:

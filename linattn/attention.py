@@ -62,14 +62,13 @@ def softmax_attention(
         wrong shape, a non-positive or non-finite scale.
     """
     _checks.check_qkv(q, k, v, causal=causal)
+    causal = _checks.check_bool(causal, "causal")
     _checks.check_key_padding_mask(key_padding_mask, k)
+    acc = _checks.accumulation_dtype(q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    elif not (scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    acc = _checks.accumulation_dtype(q.dtype)
+    else:
+        scale = _checks.check_positive_float(scale, "scale", acc)
     scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale        # (B, H, Tq, Tk)
     visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if causal:
@@ -154,7 +153,11 @@ def linear_attention(
     -------
     out : Tensor
         ``(B, H, Tq, Dv)`` in the dtype of ``q``. Half and bfloat16 inputs are computed
-        with float32 accumulation.
+        with float32 accumulation and only the output is rounded. With ``normalize=False``
+        the numerator grows with the number of keys and can exceed float16's range (65504)
+        when rounded back: prefer ``normalize=True`` or float32/bfloat16 inputs there.
+        The output of ``method="chunk"`` is saved for its backward pass: modifying it in
+        place before calling backward raises autograd's usual in-place error.
     state : LinearAttentionState
         Only if ``return_state``: float32 (float64 for float64 inputs).
 
@@ -166,25 +169,29 @@ def linear_attention(
     ValueError
         Wrong ranks; batch, heads or dims that disagree; causal with ``Tq != Tk``; an
         unknown method or feature map name; a method that does not fit ``causal``; a
-        mask or state of the wrong shape; ``chunk_size < 1``; ``eps <= 0``.
+        mask or state of the wrong shape; ``chunk_size < 1``; ``eps <= 0`` or ``eps`` outside
+        the normal range of the computation dtype (float32 for half inputs).
     """
     _checks.check_qkv(q, k, v, causal=causal)
-    _checks.check_bool(normalize, "normalize")
-    _checks.check_bool(return_state, "return_state")
-    _checks.check_eps(eps)
-    _checks.check_chunk_size(chunk_size)
+    causal = _checks.check_bool(causal, "causal")
+    normalize = _checks.check_bool(normalize, "normalize")
+    return_state = _checks.check_bool(return_state, "return_state")
+    acc = _checks.accumulation_dtype(q.dtype)
+    eps = _checks.check_eps(eps, acc)
+    chunk_size = _checks.check_chunk_size(chunk_size)
     _checks.check_key_padding_mask(key_padding_mask, k)
     method = _resolve_method(method, causal)
 
-    acc = _checks.accumulation_dtype(q.dtype)
     phi = resolve_feature_map(feature_map)
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
-    if key_padding_mask is not None:
-        phi_k = phi_k * key_padding_mask[:, None, :, None].to(acc)         # mask after φ
+    v32 = v.to(acc)
+    if key_padding_mask is not None:                                       # mask after φ; padded keys
+        keep = key_padding_mask[:, None, :, None]                          # and values contribute 0,
+        phi_k = torch.where(keep, phi_k, 0.0)                              # even if they hold inf/NaN
+        v32 = torch.where(keep, v32, 0.0)
     B, H, _, M = phi_k.shape
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
-    v32 = v.to(acc)
     if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
         from .kernels import chunk_linear_attention_triton
 
@@ -229,6 +236,7 @@ def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
 def _resolve_method(method, causal: bool) -> str:
     if not isinstance(method, str):
         raise TypeError(f"method must be a str, got {type(method).__name__}")
+    method = method.strip().lower()
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
     if method == "auto":

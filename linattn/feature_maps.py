@@ -4,18 +4,51 @@ A feature map turns a query or key vector of size ``D`` into a feature vector of
 size ``M`` so that the attention similarity becomes a dot product,
 ``sim(q, k) = φ(q)ᵀφ(k)`` (Katharopoulos et al., 2020, eq. 4). Every map here acts
 on the last dimension and keeps the leading ones: ``(..., D) -> (..., M)``.
+
+Two kinds live here:
+
+- heuristic maps with no target kernel: :func:`elu_plus_one`, :func:`relu`,
+  :func:`squared_relu`, :class:`DPFPFeatures`, :class:`CosFormerFeatures` (which adds a
+  position re-weighting);
+- maps built to reproduce softmax's kernel ``exp(qᵀk · scale)``: :class:`PerformerFeatures`
+  (unbiased random features), :class:`TaylorFeatures` (its second-order Taylor polynomial,
+  exactly) and :class:`HedgehogFeatures` (learned, fitted with :func:`distill_feature_map`).
+
+No map couples the tokens of a batch or of a sequence: each token's features depend on
+that token alone (and, for cosFormer, on its position), so a batch element cannot change
+another's output and, in causal attention, a later key cannot change an earlier output.
 """
 from __future__ import annotations
 
-from typing import Callable, Union
+import math
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["elu_plus_one", "relu", "get_feature_map", "FeatureMap", "FEATURE_MAPS"]
+__all__ = [
+    "elu_plus_one",
+    "relu",
+    "squared_relu",
+    "DPFPFeatures",
+    "PerformerFeatures",
+    "TaylorFeatures",
+    "HedgehogFeatures",
+    "CosFormerFeatures",
+    "distill_feature_map",
+    "get_feature_map",
+    "FeatureMap",
+    "FEATURE_MAPS",
+    "PARAMETRIC_FEATURE_MAPS",
+]
 
 FeatureMap = Callable[[Tensor], Tensor]
+
+
+# ---------------------------------------------------------------------------------------
+# Elementwise maps (no target kernel)
+# ---------------------------------------------------------------------------------------
 
 
 def elu_plus_one(x: Tensor) -> Tensor:
@@ -23,7 +56,8 @@ def elu_plus_one(x: Tensor) -> Tensor:
 
     Katharopoulos et al. (2020), eq. 7; ELU from Clevert et al. (2016). Elementwise:
     ``x + 1`` for ``x > 0`` and ``exp(x)`` for ``x <= 0``, so every feature is strictly
-    positive (but not bounded below by 1: it tends to 0 as ``x -> -inf``).
+    positive (but not bounded below by 1: it tends to 0 as ``x -> -inf``). It does not
+    approximate a particular kernel; it only makes ``φ(q)ᵀφ(k)`` positive.
 
     Parameters
     ----------
@@ -49,7 +83,7 @@ def relu(x: Tensor) -> Tensor:
 
     Non-negative but not strictly positive: a query whose features are all zero, or one
     orthogonal to every key's features, has a zero normaliser; ``linear_attention``'s
-    ``eps`` keeps that finite.
+    ``eps`` keeps that finite. No target kernel.
 
     Parameters
     ----------
@@ -70,11 +104,517 @@ def relu(x: Tensor) -> Tensor:
     return F.relu(x)
 
 
+def squared_relu(x: Tensor) -> Tensor:
+    """φ(x) = max(x, 0)², elementwise.
+
+    The squared-ReLU activation of Primer (So et al., 2021), which FLASH (Hua et al.,
+    2022) applies to attention scores, ``relu(qᵀk)²``; used here as a feature map, so that
+    ``φ(q)ᵀφ(k) = Σ_d relu(q_d)² relu(k_d)²``. No target kernel: it is a heuristic that
+    is peakier than :func:`relu` (it grows quadratically with the inputs) and, like it,
+    can give a zero normaliser.
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``[0, inf)``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    _check_floating(x, "x")
+    return F.relu(x).square()
+
+
+class DPFPFeatures(nn.Module):
+    """Deterministic parameter-free projection (DPFP) of Schlag et al. (2021).
+
+    With ``r = relu([x, -x])`` (size ``2D``), DPFP of order ``ν`` takes the products of
+    each feature with its neighbours at distances ``1..ν`` (cyclically)::
+
+        φ_{(i, n)}(x) = r_i · r_{(i + n) mod 2D},   n = 1..ν,   M = 2·D·ν
+
+    Its features are non-negative and sparse (a product is non-zero only when both entries
+    are); the paper motivates it by making keys nearly orthogonal in a larger space, which
+    raises the capacity of the ``M×Dv`` state. No target kernel.
+
+    Parameters
+    ----------
+    nu : int
+        The order ``ν >= 1`` (the paper uses 1 to 3); ``M = 2·D·ν``.
+
+    Raises
+    ------
+    TypeError
+        If ``nu`` is not an int (at construction) or ``x`` is not floating (at call).
+    ValueError
+        If ``nu < 1``, or (at call) ``nu >= 2·D``, where products would repeat.
+    """
+
+    def __init__(self, nu: int = 1) -> None:
+        super().__init__()
+        _check_int(nu, "nu", minimum=1)
+        self.nu = nu
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(..., D) -> (..., 2·D·ν)``, same dtype as ``x``."""
+        _check_floating(x, "x")
+        D = x.shape[-1]
+        if self.nu >= 2 * D:
+            raise ValueError(f"DPFP needs nu < 2·D = {2 * D} for inputs with D = {D}, got nu = {self.nu}")
+        r = F.relu(torch.cat([x, -x], dim=-1))                                    # (..., 2D)
+        return torch.cat([r * r.roll(n, dims=-1) for n in range(1, self.nu + 1)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"nu={self.nu}"
+
+
+# ---------------------------------------------------------------------------------------
+# Maps that target softmax's kernel exp(qᵀk · scale)
+# ---------------------------------------------------------------------------------------
+
+
+class PerformerFeatures(nn.Module):
+    """FAVOR+ positive random features (Choromanski et al., 2021, Lemma 1 and §2.4).
+
+    For ``ω ~ N(0, I_D)``, ``E[exp(ωᵀx - |x|²/2) · exp(ωᵀy - |y|²/2)] = exp(xᵀy)``. With
+    ``M`` draws ``ω_1..ω_M`` stacked in a projection ``W`` (``M×D``)::
+
+        φ(x) = exp(W x̃ - |x̃|²/2) / √M,   x̃ = x · √scale
+
+    so ``φ(q)ᵀφ(k)`` is an unbiased estimate of the softmax kernel ``exp(qᵀk · scale)``
+    (every feature is positive, unlike the trigonometric random features of Rahimi and
+    Recht, 2007). With ``orthogonal=True`` the ``ω`` are orthogonal in blocks of ``D``
+    (Gram-Schmidt via QR) and rescaled to the norms of Gaussian vectors: each is still
+    ``N(0, I)`` on its own, so the estimate stays unbiased, and its variance is lower.
+
+    Numerics: the exponent is formed first and exponentiated once (log space), never as
+    ``exp(Wx̃) · exp(-|x̃|²/2)``, whose factors overflow and underflow separately. No
+    stabiliser computed from the data is applied to keys: a maximum taken over the keys
+    of a sequence lets later keys change earlier outputs in causal attention, and one taken
+    over a batch couples its elements (chapter 6 shows both). Keys therefore overflow float32
+    only where ``ωᵀk̃ - |k̃|²/2 > 88``, which needs ``|ω|²/2 > 88`` (large ``D``). For queries,
+    ``forward(q, is_query=True)`` subtracts each query's own maximum exponent: a factor per
+    query, which cancels exactly in normalised attention (use it with
+    ``linear_attention(φ(q, is_query=True), φ(k), v, feature_map=None)``).
+
+    The projection is drawn from a private generator seeded with ``seed``, so it does not
+    touch (or depend on) torch's global random state. It stays fixed between calls; call
+    :meth:`redraw` to draw a new one.
+
+    Parameters
+    ----------
+    head_dim : int, optional
+        ``D``. If None, it is taken from the first input (the projection is drawn then).
+    num_features : int, optional
+        ``M``; default ``D · ceil(ln D)`` (the paper's ``Θ(D log D)``).
+    orthogonal : bool
+        Orthogonal (True) or i.i.d. Gaussian (False) projections.
+    seed : int
+        Seed of the projection; the same seed gives the same ``W`` on every machine.
+    scale : float, optional
+        The softmax temperature the kernel targets; default ``1/√D``, as in
+        :func:`linattn.softmax_attention`.
+
+    Attributes
+    ----------
+    projection : Tensor or None
+        ``(M, D)`` float64 buffer (None until ``D`` is known).
+
+    Raises
+    ------
+    TypeError
+        Non-int ``head_dim``, ``num_features`` or ``seed``; non-bool ``orthogonal``;
+        non-numeric ``scale``; (at call) a non-floating ``x``.
+    ValueError
+        ``head_dim < 1``, ``num_features < 1``, ``seed < 0``, ``scale <= 0``; (at call)
+        an input whose last dimension is not ``head_dim``.
+    """
+
+    projection: Optional[Tensor]
+
+    def __init__(self, head_dim: Optional[int] = None, num_features: Optional[int] = None, *,
+                 orthogonal: bool = True, seed: int = 0, scale: Optional[float] = None) -> None:
+        super().__init__()
+        if head_dim is not None:
+            _check_int(head_dim, "head_dim", minimum=1)
+        if num_features is not None:
+            _check_int(num_features, "num_features", minimum=1)
+        _check_bool(orthogonal, "orthogonal")
+        _check_int(seed, "seed", minimum=0)
+        if scale is not None:
+            _check_positive(scale, "scale")
+        self.head_dim = head_dim
+        self.num_features = num_features
+        self.orthogonal = orthogonal
+        self.seed = seed
+        self.scale = scale
+        self.register_buffer("projection", None)
+        if head_dim is not None:
+            self._draw(head_dim)
+
+    def forward(self, x: Tensor, *, is_query: bool = False) -> Tensor:
+        """``(..., D) -> (..., M)`` positive features, same dtype as ``x``.
+
+        Computed in float32 (float64 for float64 inputs). With ``is_query=True`` each row
+        is divided by its largest entry (see the class docstring).
+        """
+        _check_floating(x, "x")
+        _check_bool(is_query, "is_query")
+        D = x.shape[-1]
+        if self.projection is None:
+            self._draw(D)
+        elif self.projection.shape[1] != D:
+            raise ValueError(
+                f"PerformerFeatures was built for head_dim {self.projection.shape[1]}, got x of shape "
+                f"{_shape(x.shape)} (last dim {D})"
+            )
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        W = self.projection.to(device=x.device, dtype=acc)                        # (M, D)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(D)
+        xs = x.to(acc) * math.sqrt(scale)                                         # (..., D)
+        log_phi = xs @ W.T - 0.5 * xs.square().sum(-1, keepdim=True)              # (..., M)
+        log_phi = log_phi - 0.5 * math.log(W.shape[0])
+        if is_query:
+            log_phi = log_phi - log_phi.amax(dim=-1, keepdim=True)
+        return log_phi.exp().to(x.dtype)
+
+    def redraw(self, seed: Optional[int] = None) -> "PerformerFeatures":
+        """Draw a new projection: from ``seed`` if given, else from ``self.seed + 1``.
+
+        Returns
+        -------
+        PerformerFeatures
+            ``self``, for chaining.
+
+        Raises
+        ------
+        TypeError, ValueError
+            If ``seed`` is not a non-negative int.
+        """
+        if seed is not None:
+            _check_int(seed, "seed", minimum=0)
+        self.seed = self.seed + 1 if seed is None else seed
+        if self.projection is not None:
+            self._draw(self.projection.shape[1])
+        return self
+
+    def _draw(self, D: int) -> None:
+        M = self.num_features if self.num_features is not None else D * max(1, math.ceil(math.log(D)))
+        g = torch.Generator().manual_seed(self.seed)
+        W = (_orthogonal_gaussian(M, D, g) if self.orthogonal
+             else torch.randn(M, D, generator=g, dtype=torch.float64))
+        device = self.projection.device if self.projection is not None else None
+        self.projection = W.to(device) if device is not None else W
+
+    def extra_repr(self) -> str:
+        M = None if self.projection is None else self.projection.shape[0]
+        return (f"head_dim={self.head_dim}, num_features={M or self.num_features}, "
+                f"orthogonal={self.orthogonal}, seed={self.seed}, scale={self.scale}")
+
+
+def _orthogonal_gaussian(M: int, D: int, g: torch.Generator) -> Tensor:
+    """``(M, D)`` rows orthogonal in blocks of ``D``, each with the norm of a N(0, I_D) vector."""
+    G = torch.randn(math.ceil(M / D), D, D, generator=g, dtype=torch.float64)      # (blocks, D, D)
+    Q, R = torch.linalg.qr(G)
+    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)           # Haar-distributed
+    W = Q.transpose(-1, -2).reshape(-1, D)[:M]                                      # (M, D), unit rows
+    norms = torch.randn(M, D, generator=g, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return W * norms
+
+
+class TaylorFeatures(nn.Module):
+    """Second-order Taylor features of the softmax kernel, as in Based (Arora et al., 2024).
+
+    ``exp(s) ≈ 1 + s + s²/2`` with ``s = qᵀk · scale``. With ``x̃ = x · √scale``::
+
+        φ(x) = [1, x̃, (x̃_i x̃_j · c_ij)_{i <= j}],   c_ii = 1/√2,  c_ij = 1 (i < j)
+
+    gives ``φ(q)ᵀφ(k) = 1 + s + s²/2`` exactly (the symmetric products ``x̃_i x̃_j`` and
+    ``x̃_j x̃_i`` are stored once), with ``M = 1 + D + D(D+1)/2``. The features can be
+    negative, but the kernel is always ``>= 1/2``: ``1 + s + s²/2 = ((1 + s)² + 1)/2``.
+    It matches ``exp(s)`` near ``s = 0`` and is far flatter than it for ``s < -1``, so it
+    cannot give a small weight to a key (chapter 6).
+
+    Parameters
+    ----------
+    scale : float, optional
+        The factor on ``qᵀk``; default ``1/√D`` (softmax's).
+
+    Raises
+    ------
+    TypeError
+        Non-numeric ``scale``; (at call) a non-floating ``x``.
+    ValueError
+        ``scale <= 0`` or not finite.
+    """
+
+    def __init__(self, scale: Optional[float] = None) -> None:
+        super().__init__()
+        if scale is not None:
+            _check_positive(scale, "scale")
+        self.scale = scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(..., D) -> (..., 1 + D + D(D+1)/2)``, same dtype as ``x`` (computed in float32 for half)."""
+        _check_floating(x, "x")
+        D = x.shape[-1]
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(D)
+        xs = x.to(acc) * math.sqrt(scale)                                         # (..., D)
+        i, j = torch.triu_indices(D, D, device=x.device)                          # i <= j
+        coef = torch.ones(i.shape[0], dtype=acc, device=x.device)                 # (D(D+1)/2,)
+        coef[i == j] = math.sqrt(0.5)
+        second = xs[..., i] * xs[..., j] * coef                                   # (..., D(D+1)/2)
+        ones = torch.ones_like(xs[..., :1])
+        return torch.cat([ones, xs, second], dim=-1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"
+
+
+class HedgehogFeatures(nn.Module):
+    """Hedgehog's learnable feature map (Zhang et al., 2024).
+
+    ``φ(x) = softmax([Wx + b, -(Wx + b)])`` over the ``2F`` features: the paper's
+    ``[exp(Wx + b), exp(-Wx - b)]`` divided by its sum, which keeps it finite (the division
+    is part of the map, one factor per token, not a stabiliser over tokens). Exponentials
+    of a learned projection can be as peaked as softmax; ``W`` is trained so that the
+    linear attention weights mimic softmax's (:func:`distill_feature_map`). ``W`` starts
+    as the identity (``F = D``) and ``b`` as zero, so an untrained map is deterministic.
+
+    Parameters
+    ----------
+    head_dim : int
+        ``D``, the size of the inputs.
+    num_features : int, optional
+        ``F``, the rows of ``W``; default ``D``. The output has ``M = 2F`` features.
+    bias : bool
+        Learn ``b`` (True) or not.
+
+    Raises
+    ------
+    TypeError
+        Non-int sizes, non-bool ``bias``; (at call) a non-floating ``x``.
+    ValueError
+        Sizes ``< 1``; (at call) an input whose last dimension is not ``head_dim``.
+    """
+
+    def __init__(self, head_dim: int, num_features: Optional[int] = None, *, bias: bool = True) -> None:
+        super().__init__()
+        _check_int(head_dim, "head_dim", minimum=1)
+        if num_features is not None:
+            _check_int(num_features, "num_features", minimum=1)
+        _check_bool(bias, "bias")
+        self.head_dim = head_dim
+        self.num_features = num_features if num_features is not None else head_dim
+        self.weight = nn.Parameter(torch.eye(self.num_features, head_dim))       # (F, D)
+        self.bias = nn.Parameter(torch.zeros(self.num_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(..., D) -> (..., 2F)`` features in ``(0, 1)`` summing to 1, same dtype as ``x``."""
+        _check_floating(x, "x")
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"HedgehogFeatures expects x of shape (..., {self.head_dim}), got {_shape(x.shape)}"
+            )
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        b = None if self.bias is None else self.bias.to(acc)
+        y = F.linear(x.to(acc), self.weight.to(acc), b)                           # (..., F)
+        return torch.softmax(torch.cat([y, -y], dim=-1), dim=-1).to(x.dtype)      # (..., 2F)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, num_features={self.num_features}, bias={self.bias is not None}"
+
+
+# ---------------------------------------------------------------------------------------
+# Position re-weighting
+# ---------------------------------------------------------------------------------------
+
+
+class CosFormerFeatures(nn.Module):
+    """cosFormer: ReLU features with the cos-based re-weighting of Qin et al. (2022).
+
+    The similarity of query ``i`` and key ``j`` is
+    ``relu(q_i)ᵀrelu(k_j) · cos(π/2 · (i - j)/L)``, which favours nearby tokens. Since
+    ``cos(a - b) = cos a cos b + sin a sin b``, it is the dot product of::
+
+        φ(x_i) = [relu(x_i) cos(π i / 2L), relu(x_i) sin(π i / 2L)],   M = 2D
+
+    For ``0 <= i, j < L`` the cosine is positive, so the similarity is non-negative. The
+    same features serve non-causal and causal attention. ``L`` is ``max_len`` if given,
+    else the length of the input (the paper's choice for non-causal attention). Give
+    ``max_len`` for causal use and streaming, where a prefix must get the same features
+    as the whole sequence, and for cross-attention, where queries and keys must share ``L``.
+
+    The features depend on position, so the input must be ``(B, H, T, D)`` with positions
+    ``offset .. offset + T - 1`` along dim 2. For one-token decoding compute
+    ``φ(x[:, :, None], offset=t)[:, :, 0]`` yourself and pass ``feature_map=None``
+    (``linear_attention_step`` calls maps on ``(B, H, D)`` and cannot know ``t``).
+
+    Parameters
+    ----------
+    max_len : int, optional
+        ``L``, the largest number of positions; None uses each input's ``offset + T``.
+
+    Raises
+    ------
+    TypeError
+        Non-int ``max_len`` or ``offset``; (at call) a non-floating ``x``.
+    ValueError
+        ``max_len < 1``; (at call) an input that is not 4-D, a negative ``offset``, or
+        ``offset + T > max_len``.
+    """
+
+    def __init__(self, max_len: Optional[int] = None) -> None:
+        super().__init__()
+        if max_len is not None:
+            _check_int(max_len, "max_len", minimum=1)
+        self.max_len = max_len
+
+    def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
+        """``(B, H, T, D) -> (B, H, T, 2D)``, same dtype as ``x`` (angles in float32 or float64)."""
+        _check_floating(x, "x")
+        _check_int(offset, "offset", minimum=0)
+        if x.dim() != 4:
+            raise ValueError(
+                "CosFormerFeatures needs x of shape (batch, heads, seq, dim): its features depend on "
+                f"the position along dim 2; got {_shape(x.shape)}"
+            )
+        T = x.shape[-2]
+        L = self.max_len if self.max_len is not None else offset + T
+        if offset + T > L:
+            raise ValueError(f"positions offset + T = {offset} + {T} exceed max_len = {L}")
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        pos = torch.arange(offset, offset + T, device=x.device, dtype=acc)        # (T,)
+        angle = (math.pi / 2) * pos / L
+        r = F.relu(x.to(acc))                                                     # (B, H, T, D)
+        feats = torch.cat([r * angle.cos()[:, None], r * angle.sin()[:, None]], dim=-1)
+        return feats.to(x.dtype)                                                  # (B, H, T, 2D)
+
+    def extra_repr(self) -> str:
+        return f"max_len={self.max_len}"
+
+
+# ---------------------------------------------------------------------------------------
+# Distillation (Hedgehog)
+# ---------------------------------------------------------------------------------------
+
+
+def distill_feature_map(feature_map: nn.Module, q: Tensor, k: Tensor, *, steps: int = 200,
+                        lr: float = 1e-2, scale: Optional[float] = None, causal: bool = False
+                        ) -> list[float]:
+    """Fit a learnable feature map so that linear attention's weights mimic softmax's.
+
+    Hedgehog's attention distillation (Zhang et al., 2024): minimise the soft cross-entropy
+    between the rows of the softmax weights ``A = softmax(QKᵀ · scale)`` and of the linear
+    weights ``Â_ij = φ(q_i)ᵀφ(k_j) / Σ_l φ(q_i)ᵀφ(k_l)`` with Adam. The loss reported is
+    that cross-entropy minus the entropy of ``A``, i.e. the mean over rows of
+    ``KL(A_i ‖ Â_i)`` in nats (0 for a perfect fit); the gradients are the same.
+    One map is used for queries and keys, as ``linear_attention`` applies one ``φ``.
+
+    Parameters
+    ----------
+    feature_map : nn.Module
+        A map with trainable parameters, e.g. :class:`HedgehogFeatures`; trained in place.
+    q, k : Tensor
+        ``(B, H, T, D)`` queries and keys to fit on (floating, same shape); not trained.
+    steps : int
+        Adam steps (full batch).
+    lr : float
+        Adam's learning rate.
+    scale : float, optional
+        Softmax temperature; default ``1/√D``.
+    causal : bool
+        Fit the causal weights (query ``i`` sees keys ``j <= i``).
+
+    Returns
+    -------
+    list of float
+        The loss (mean KL, nats) before each step, ``steps`` values.
+
+    Raises
+    ------
+    TypeError
+        A map without trainable parameters, non-tensor or non-floating inputs, non-int
+        ``steps``, non-numeric ``lr`` or ``scale``, non-bool ``causal``.
+    ValueError
+        ``q`` or ``k`` not 4-D or of different shapes; ``steps < 1``, ``lr <= 0``, ``scale <= 0``.
+    """
+    params = [p for p in feature_map.parameters() if p.requires_grad] if isinstance(feature_map, nn.Module) else []
+    if not params:
+        raise TypeError(f"feature_map must be an nn.Module with trainable parameters, got {type(feature_map).__name__}")
+    for name, x in (("q", q), ("k", k)):
+        _check_floating(x, name)
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, dim), got {_shape(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got q {_shape(q.shape)} and k {_shape(k.shape)}")
+    _check_int(steps, "steps", minimum=1)
+    _check_positive(lr, "lr")
+    if scale is not None:
+        _check_positive(scale, "scale")
+    _check_bool(causal, "causal")
+    q, k = q.detach(), k.detach()
+    target = _softmax_weights(q, k, scale, causal)                                  # (B, H, T, T)
+    entropy = -(target * target.clamp_min(1e-30).log()).sum(-1).mean()
+    opt = torch.optim.Adam(params, lr=lr)
+    history = []
+    for _ in range(steps):
+        weights = _kernel_weights(feature_map(q), feature_map(k), causal)         # (B, H, T, T)
+        cross_entropy = -(target * weights.clamp_min(1e-30).log()).sum(-1).mean()
+        history.append(float(cross_entropy.detach() - entropy))
+        opt.zero_grad()
+        cross_entropy.backward()
+        opt.step()
+    return history
+
+
+def _softmax_weights(q: Tensor, k: Tensor, scale: Optional[float], causal: bool) -> Tensor:
+    """``softmax(QKᵀ · scale)`` rows, causally masked if asked: (B, H, Tq, Tk)."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-1, -2) * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def _kernel_weights(phi_q: Tensor, phi_k: Tensor, causal: bool) -> Tensor:
+    """``φ(q_i)ᵀφ(k_j)`` normalised over ``j`` (causally masked if asked): (B, H, Tq, Tk)."""
+    a = phi_q @ phi_k.transpose(-1, -2)
+    if causal:
+        a = a.tril()
+    return a / a.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+# ---------------------------------------------------------------------------------------
+# Lookup by name
+# ---------------------------------------------------------------------------------------
+
 FEATURE_MAPS: dict[str, FeatureMap] = {
     "elu+1": elu_plus_one,
     "elu_plus_one": elu_plus_one,
     "relu": relu,
+    "squared_relu": squared_relu,
 }
+"""Maps without options, by name: the function itself."""
+
+PARAMETRIC_FEATURE_MAPS: dict[str, type] = {
+    "dpfp": DPFPFeatures,
+    "performer": PerformerFeatures,
+    "favor+": PerformerFeatures,
+    "taylor": TaylorFeatures,
+    "hedgehog": HedgehogFeatures,
+    "cosformer": CosFormerFeatures,
+}
+"""Maps with options, by name: the class; ``get_feature_map`` builds one with the options."""
 
 
 def get_feature_map(name: str, **kwargs) -> FeatureMap:
@@ -83,27 +623,44 @@ def get_feature_map(name: str, **kwargs) -> FeatureMap:
     Parameters
     ----------
     name : str
-        One of ``"elu+1"`` (alias ``"elu_plus_one"``) or ``"relu"``.
+        Case-insensitive. Without options: ``"elu+1"`` (alias ``"elu_plus_one"``), ``"relu"``,
+        ``"squared_relu"``. With options (a new module is built each call): ``"dpfp"``
+        (:class:`DPFPFeatures`), ``"performer"`` (alias ``"favor+"``,
+        :class:`PerformerFeatures`), ``"taylor"`` (:class:`TaylorFeatures`), ``"hedgehog"``
+        (:class:`HedgehogFeatures`, needs ``head_dim``), ``"cosformer"``
+        (:class:`CosFormerFeatures`).
     **kwargs
-        Options of parametrised maps; the maps available now take none.
+        Options passed to the class. A Performer map built by name with the same ``seed``
+        (default 0) has the same projection every time, so passing ``"performer"`` to
+        ``linear_attention`` twice gives the same result.
 
     Returns
     -------
     callable
-        A function ``(..., D) -> (..., M)``.
+        A function or module ``(..., D) -> (..., M)``.
 
     Raises
     ------
     TypeError
-        If ``name`` is not a string, or options are given to a map that takes none.
+        If ``name`` is not a string, options are given to a map that takes none, or the
+        options do not fit the class (the message names the map).
     ValueError
-        If ``name`` is not a known feature map (the message lists the known names).
+        If ``name`` is not a known feature map (the message lists the known names), or an
+        option has a bad value.
     """
     if not isinstance(name, str):
         raise TypeError(f"feature_map name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
+    if key in PARAMETRIC_FEATURE_MAPS:
+        cls = PARAMETRIC_FEATURE_MAPS[key]
+        try:
+            return cls(**kwargs)
+        except TypeError as err:
+            if "argument" in str(err):  # a missing or unexpected keyword, not a bad value
+                raise TypeError(f"feature_map {name!r} ({cls.__name__}): {err}") from None
+            raise
     if key not in FEATURE_MAPS:
-        known = ", ".join(repr(n) for n in FEATURE_MAPS)
+        known = ", ".join(repr(n) for n in [*FEATURE_MAPS, *PARAMETRIC_FEATURE_MAPS])
         raise ValueError(f"unknown feature_map {name!r}; known names: {known}")
     if kwargs:
         raise TypeError(f"feature_map {name!r} takes no options, got {sorted(kwargs)}")
@@ -124,8 +681,36 @@ def resolve_feature_map(feature_map: Union[str, FeatureMap, None]) -> FeatureMap
     )
 
 
+# ---------------------------------------------------------------------------------------
+# Argument checks (private)
+# ---------------------------------------------------------------------------------------
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
 def _check_floating(x: Tensor, name: str) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def _check_int(value, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_positive(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")

@@ -46,6 +46,11 @@ class LinearAttentionState:
     def __post_init__(self) -> None:
         _checks.check_tensor(self.S, "state.S", 4, "(batch, heads, M, Dv)")
         _checks.check_tensor(self.z, "state.z", 3, "(batch, heads, M)")
+        if self.S.dtype != self.z.dtype or self.S.device != self.z.device:
+            raise ValueError(
+                f"state.S and state.z must share dtype and device, got S {self.S.dtype} on "
+                f"{self.S.device} and z {self.z.dtype} on {self.z.device}"
+            )
         if self.S.shape[:3] != self.z.shape:
             raise ValueError(
                 f"state.S (B, H, M, Dv) and state.z (B, H, M) disagree: got S "
@@ -55,7 +60,17 @@ class LinearAttentionState:
     @classmethod
     def zeros(cls, batch: int, heads: int, feature_dim: int, value_dim: int, *,
               dtype: torch.dtype = torch.float32, device=None) -> "LinearAttentionState":
-        """An empty state (no tokens seen): ``S`` of shape (batch, heads, feature_dim, value_dim), ``z`` zeros."""
+        """An empty state (no tokens seen): ``S`` of shape (batch, heads, feature_dim, value_dim), ``z`` zeros.
+
+        Raises
+        ------
+        TypeError
+            If a size is not an int.
+        ValueError
+            If a size is < 1.
+        """
+        for name, n in (("batch", batch), ("heads", heads), ("feature_dim", feature_dim), ("value_dim", value_dim)):
+            _checks.check_positive_int(n, name)
         S = torch.zeros(batch, heads, feature_dim, value_dim, dtype=dtype, device=device)
         z = torch.zeros(batch, heads, feature_dim, dtype=dtype, device=device)
         return cls(S, z)
@@ -177,14 +192,19 @@ def linear_attention_step(
     for name, x in (("q", q), ("k", k), ("v", v)):
         _checks.check_tensor(x, name, 3, layout)
     _checks.check_same_kind({"q": q, "k": k, "v": v})
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
         raise ValueError(
-            "q and k must be (B, H, D) and v (B, H, Dv) with the same B and H, got "
+            "q, k (B, H, D) and v (B, H, Dv) must share B and H, got "
             f"q {_checks.shape_str(q.shape)}, k {_checks.shape_str(k.shape)}, v {_checks.shape_str(v.shape)}"
         )
-    _checks.check_bool(normalize, "normalize")
-    _checks.check_eps(eps)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must have the same head_dim D (dim 2), got q {_checks.shape_str(q.shape)} "
+            f"and k {_checks.shape_str(k.shape)}"
+        )
+    normalize = _checks.check_bool(normalize, "normalize")
     acc = _checks.accumulation_dtype(q.dtype)
+    eps = _checks.check_eps(eps, acc)
     phi = resolve_feature_map(feature_map)
     q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
     phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)

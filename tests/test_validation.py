@@ -93,10 +93,15 @@ def test_causal_with_different_query_and_key_lengths(method):
     LA(q, k, v, causal=False)  # fine without causal
 
 
-@pytest.mark.parametrize("method", ["fast", "Parallel", "", "chunked"])
+@pytest.mark.parametrize("method", ["fast", "", "chunked", "para llel"])
 def test_unknown_method(method):
     q, k, v = _qkv()
     _raises(ValueError, r"method", lambda: LA(q, k, v, method=method), shows=[method] if method else [])
+
+
+def test_method_and_feature_map_names_ignore_case():
+    q, k, v = _qkv()
+    torch.testing.assert_close(LA(q, k, v, method="Parallel", feature_map="ELU+1"), LA(q, k, v))
 
 
 @pytest.mark.parametrize("method,causal", [("parallel", True), ("recurrent", False), ("chunk", False)])
@@ -314,3 +319,56 @@ def test_default_device():
     dev = linattn.default_device()
     assert isinstance(dev, torch.device)
     assert dev.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --- edge values found by trying to break the package ---------------------------------
+
+
+@pytest.mark.parametrize("eps", [1e-50, 1e39, 10**400])
+def test_eps_outside_the_float32_range_is_rejected(eps):
+    # 1e-50 would underflow to 0 in float32 (0/0 = NaN for a zero ReLU normaliser).
+    q, k, v = _qkv()
+    _raises(ValueError, r"eps", lambda: LA(q.float(), k.float(), v.float(), eps=eps))
+
+
+@pytest.mark.parametrize("scale", [1e39, 10**400])
+def test_softmax_scale_outside_the_float32_range_is_rejected(scale):
+    q, k, v = _qkv()
+    _raises(ValueError, r"scale", lambda: linattn.softmax_attention(q.float(), k.float(), v.float(), scale=scale))
+
+
+def test_numpy_scalars_are_accepted_for_flags_and_sizes():
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv()
+    want = LA(q, k, v, causal=True, chunk_size=4, eps=1e-6)
+    got = LA(q, k, v, causal=np.bool_(True), chunk_size=np.int64(4), eps=np.float32(1e-6))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_and_values_holding_nan_or_inf_contribute_nothing(causal):
+    q, k, v = _qkv()
+    B, T = q.shape[0], q.shape[2]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, T // 2:] = False
+    clean = LA(q, k, v, causal=causal, key_padding_mask=mask)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, T // 2:] = float("nan")
+    v_bad[0, :, T // 2:] = float("inf")
+    got = LA(q, k_bad, v_bad, causal=causal, key_padding_mask=mask)
+    torch.testing.assert_close(got, clean, rtol=0, atol=0)
+
+
+def test_state_parts_must_share_dtype_and_device():
+    S = torch.zeros(1, 2, 3, 4)
+    _raises(ValueError, r"state\.S and state\.z", lambda: linattn.LinearAttentionState(S, torch.zeros(1, 2, 3, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("bad", [1.5, 0, True])
+def test_state_zeros_checks_sizes(bad):
+    _raises((TypeError, ValueError), r"batch", lambda: linattn.LinearAttentionState.zeros(bad, 3, 4, 5))
+
+
+def test_step_names_the_head_dim_mismatch():
+    q, k, v = torch.randn(2, 3, 4), torch.randn(2, 3, 5), torch.randn(2, 3, 6)
+    _raises(ValueError, r"head_dim", lambda: linattn.linear_attention_step(q, k, v))

@@ -1,0 +1,842 @@
+"""Multi-head attention layers and a small Transformer language model.
+
+:class:`LinearAttention` (Katharopoulos et al., 2020) and :class:`SoftmaxAttention`
+(Vaswani et al., 2017) are drop-in replacements for each other: same constructor, same
+``forward(x, *, key_padding_mask, state, return_state)``. Both share key-value heads
+between groups of query heads through ``n_kv_heads`` (multi-query attention,
+Shazeer 2019, when ``n_kv_heads=1``; grouped-query attention, Ainslie et al. 2023, in
+between). Both decode one token at a time from a ``state``: for linear attention the
+fixed-size :class:`~linattn.LinearAttentionState`, for softmax attention a
+:class:`KVCache` that grows by one key and one value per token.
+
+:class:`TransformerBlock` (pre-norm, MLP) and :class:`TransformerLM` (token and learned
+absolute position embeddings, tied output layer, ``generate``) follow nanoGPT's GPT.
+Tensors are ``(batch, seq, d_model)`` between layers and ``(batch, heads, seq, head_dim)``
+inside attention. Every module works on any device and floating dtype its parameters are on.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import shape_str
+from .attention import linear_attention
+from .feature_maps import FeatureMap, resolve_feature_map
+from .recurrent import LinearAttentionState, linear_attention_step
+
+__all__ = [
+    "KVCache",
+    "LinearAttention",
+    "SoftmaxAttention",
+    "TransformerBlock",
+    "TransformerConfig",
+    "TransformerLM",
+    "DecodingState",
+    "ATTENTIONS",
+]
+
+ATTENTIONS = ("linear", "softmax")
+
+
+# ---------------------------------------------------------------------------------------
+# States carried between decoding steps
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """The keys and values softmax attention keeps for decoding (one layer).
+
+    Attributes
+    ----------
+    k, v : Tensor
+        ``(B, H_kv, T, head_dim)``, the keys and values of every token seen so far, per
+        key-value head (grouped heads are cached once, not once per query head).
+    key_padding_mask : Tensor
+        ``(B, T)`` bool, True for real tokens; cached padding is never attended to.
+
+    Its size, ``2·B·H_kv·T·head_dim`` numbers, grows by one key and one value per token:
+    decoding token ``t`` reads all ``t`` of them (Vaswani et al., 2017; the cache of
+    Pope et al., 2023). Compare :class:`~linattn.LinearAttentionState`, whose size is fixed.
+
+    Raises
+    ------
+    TypeError
+        If ``k`` or ``v`` is not a floating tensor, or the mask is not a bool tensor.
+    ValueError
+        If ``k`` and ``v`` are not 4-D of one shape, or the mask is not ``(B, T)``.
+    """
+
+    k: Tensor
+    v: Tensor
+    key_padding_mask: Tensor
+
+    def __post_init__(self) -> None:
+        for name, t in (("state.k", self.k), ("state.v", self.v)):
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point torch.Tensor, got {_describe(t)}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, kv_heads, seq, head_dim), got {shape_str(t.shape)}")
+        if self.k.shape != self.v.shape:
+            raise ValueError(f"state.k and state.v must have one shape, got {shape_str(self.k.shape)} "
+                             f"and {shape_str(self.v.shape)}")
+        m = self.key_padding_mask
+        if not isinstance(m, Tensor) or m.dtype != torch.bool:
+            raise TypeError(f"state.key_padding_mask must be a bool torch.Tensor, got {_describe(m)}")
+        expected = (self.k.shape[0], self.k.shape[2])
+        if tuple(m.shape) != expected:
+            raise ValueError(f"state.key_padding_mask must have shape (batch, seq) = {shape_str(expected)}, "
+                             f"got {shape_str(m.shape)}")
+
+    @property
+    def seq_len(self) -> int:
+        """Number of cached tokens (padding included)."""
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the cache, in bytes (keys, values and mask); grows linearly with ``seq_len``."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.key_padding_mask))
+
+
+@dataclass
+class DecodingState:
+    """Everything :class:`TransformerLM` needs to continue a batch of sequences.
+
+    Attributes
+    ----------
+    layers : list
+        One entry per block: a :class:`~linattn.LinearAttentionState` (linear attention)
+        or a :class:`KVCache` (softmax attention).
+    positions : Tensor
+        ``(B,)`` int64, the number of real (unpadded) tokens each sequence has seen, which
+        is the position of its next token.
+    """
+
+    layers: list
+    positions: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by all layers' states and the positions, in bytes."""
+        return sum(s.nbytes for s in self.layers) + self.positions.numel() * self.positions.element_size()
+
+
+# ---------------------------------------------------------------------------------------
+# Attention layers
+# ---------------------------------------------------------------------------------------
+
+
+class _MultiHeadProjections(nn.Module):
+    """Query, key, value and output projections with grouped key-value heads, and input checks."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: Optional[int], causal: bool, bias: bool) -> None:
+        super().__init__()
+        _check_int(d_model, "d_model")
+        _check_int(n_heads, "n_heads")
+        if n_kv_heads is None:
+            n_kv_heads = n_heads
+        _check_int(n_kv_heads, "n_kv_heads")
+        if d_model % n_heads:
+            raise ValueError(f"d_model must be divisible by n_heads, got d_model={d_model} and n_heads={n_heads}")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads must be divisible by n_kv_heads, got n_heads={n_heads} and "
+                             f"n_kv_heads={n_kv_heads}")
+        _check_bool(causal, "causal")
+        _check_bool(bias, "bias")
+        self.d_model, self.n_heads, self.n_kv_heads, self.causal = d_model, n_heads, n_kv_heads, causal
+        self.head_dim = d_model // n_heads
+        self.group_size = n_heads // n_kv_heads                   # query heads per key-value head
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, causal={self.causal}")
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
+        return q, k, v
+
+    def _merge(self, y: Tensor) -> Tensor:
+        B, _, T, _ = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, self.d_model))           # (B, T, d_model)
+
+    def _repeat_kv(self, t: Tensor) -> Tensor:
+        """(B, H_kv, T, ...) -> (B, H, T, ...): query head ``h`` uses key-value head ``h // group_size``."""
+        return t if self.group_size == 1 else t.repeat_interleave(self.group_size, dim=1)
+
+    def _check_inputs(self, x, key_padding_mask, return_state) -> None:
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point torch.Tensor, got {_describe(x)}")
+        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[0] == 0 or x.shape[1] == 0:
+            raise ValueError(f"x must have shape (batch, seq, d_model={self.d_model}) with batch, seq >= 1, "
+                             f"got {shape_str(x.shape)}")
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
+        _check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
+        _check_bool(return_state, "return_state")
+
+
+class LinearAttention(_MultiHeadProjections):
+    """Multi-head causal or non-causal linear attention (Katharopoulos et al., 2020).
+
+    Per head, with ``q, k, v`` the projections of ``x`` and φ the feature map (eq. 5; eq. 9
+    when causal, ``j <= i``)::
+
+        y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)
+
+    computed by :func:`linattn.linear_attention` (the reordering of chapter 3 when not
+    causal, the chunkwise form of chapter 5 when causal) and, for one new token, by
+    :func:`linattn.linear_attention_step` (the recurrence of chapter 4, eqs. 18-20).
+    ``n_kv_heads < n_heads`` shares each key-value head between ``n_heads // n_kv_heads``
+    query heads (GQA, Ainslie et al., 2023; MQA, Shazeer, 2019, for ``n_kv_heads=1``).
+    Because ``S = Σ φ(k_j) v_jᵀ`` depends on keys and values only, the state is stored
+    once per key-value head: GQA shrinks the recurrent state as it shrinks a KV cache.
+
+    Parameters
+    ----------
+    d_model : int
+        Width of the input and output, divisible by ``n_heads``; ``head_dim = d_model // n_heads``.
+    n_heads : int
+        Query heads ``H``.
+    n_kv_heads : int, optional
+        Key-value heads ``H_kv`` dividing ``n_heads``; default ``n_heads`` (ordinary multi-head).
+    feature_map : str or callable or None
+        φ, as in :func:`linattn.linear_attention`: a name (default ``"elu+1"``), a callable
+        ``(..., head_dim) -> (..., M)`` (an ``nn.Module`` is registered, so learnable maps
+        train), or None (q and k used as features).
+    causal : bool
+        Token ``i`` attends to tokens ``j <= i`` only. Needed for decoding.
+    normalize : bool
+        Divide by the normaliser ``φ(q_i)ᵀz_i`` (True) or not.
+    eps : float
+        Lower bound on the normaliser.
+    chunk_size : int
+        Chunk length of the causal chunkwise algorithm.
+    bias : bool
+        Biases in the four projections.
+
+    Raises
+    ------
+    TypeError
+        A non-int size, a non-bool flag, a feature map that is neither a name, a callable nor None.
+    ValueError
+        A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
+        ``n_kv_heads``, an unknown feature map name.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
+                 feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False,
+                 normalize: bool = True, eps: float = 1e-6, chunk_size: int = 64, bias: bool = False) -> None:
+        super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
+        _check_bool(normalize, "normalize")
+        _check_int(chunk_size, "chunk_size")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"eps must be a positive float, got {eps!r}")
+        self.feature_map = resolve_feature_map(feature_map)   # a module is registered as a submodule
+        self.feature_map_name = feature_map if isinstance(feature_map, str) else None
+        self.normalize, self.eps, self.chunk_size = normalize, float(eps), chunk_size
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                state: Optional[LinearAttentionState] = None, return_state: bool = False
+                ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
+        """Attend over ``x`` (and the tokens summarised by ``state``).
+
+        Parameters
+        ----------
+        x : Tensor
+            ``(B, T, d_model)``, in the parameters' dtype and on their device.
+        key_padding_mask : Tensor, optional
+            ``(B, T)`` bool, True for real tokens. Padded tokens add nothing to any output
+            or to the returned state (their own outputs are meaningless).
+        state : LinearAttentionState, optional
+            The state after earlier tokens: ``S`` ``(B, H_kv, M, head_dim)``, ``z``
+            ``(B, H_kv, M)``. The tokens of ``x`` come after them.
+        return_state : bool
+            Also return the state after the last token of ``x``.
+
+        Returns
+        -------
+        y : Tensor
+            ``(B, T, d_model)``, dtype of ``x``.
+        state : LinearAttentionState
+            Only if ``return_state``: float32 (float64 for float64 inputs), its size
+            independent of how many tokens it summarises.
+
+        Raises
+        ------
+        TypeError
+            ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
+            flag; a ``state`` that is not a ``LinearAttentionState``.
+        ValueError
+            ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a state whose
+            shapes do not match ``(B, H_kv, M, head_dim)``.
+        """
+        self._check_inputs(x, key_padding_mask, return_state)
+        q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
+        phi = self.feature_map
+        phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))        # (B, H, T, M), (B, H_kv, T, M)
+        self._check_state(state, x, phi_k.shape[-1])
+        state = self._expand_state(state)                                 # per query head: (B, H, M, D)
+        phi_k, v = self._repeat_kv(phi_k), self._repeat_kv(v)             # (B, H, T, M), (B, H, T, D)
+        if self.causal and x.shape[1] == 1 and key_padding_mask is None:  # one new token: the recurrence
+            y, state = linear_attention_step(
+                phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
+                feature_map=None, normalize=self.normalize, eps=self.eps)  # (B, H, D)
+            y = y.unsqueeze(2)                                            # (B, H, 1, D)
+        else:
+            y = linear_attention(
+                phi_q, phi_k, v, feature_map=None, causal=self.causal, normalize=self.normalize,
+                eps=self.eps, chunk_size=self.chunk_size, key_padding_mask=key_padding_mask,
+                initial_state=state, return_state=return_state)           # (B, H, T, D)
+            if return_state:
+                y, state = y
+        y = self._merge(y)                                                # (B, T, d_model)
+        return (y, self._shrink_state(state)) if return_state else y
+
+    def _check_state(self, state, x: Tensor, feature_dim: int) -> None:
+        if state is None:
+            return
+        if not isinstance(state, LinearAttentionState):
+            raise TypeError(f"state must be a LinearAttentionState (or None) for LinearAttention, "
+                            f"got {type(state).__name__}")
+        expected = (x.shape[0], self.n_kv_heads, feature_dim, self.head_dim)
+        if tuple(state.S.shape) != expected or tuple(state.z.shape) != expected[:3]:
+            raise ValueError(
+                f"state must have S of shape (batch, n_kv_heads, M, head_dim) = {shape_str(expected)} and "
+                f"z of shape {shape_str(expected[:3])}, got S {shape_str(state.S.shape)} and z "
+                f"{shape_str(state.z.shape)}")
+        if state.S.device != x.device:
+            raise ValueError(f"state is on {state.S.device} but x is on {x.device}")
+
+    def _expand_state(self, state: Optional[LinearAttentionState]) -> Optional[LinearAttentionState]:
+        if state is None or self.group_size == 1:
+            return state
+        G = self.group_size
+        return LinearAttentionState(state.S.repeat_interleave(G, dim=1), state.z.repeat_interleave(G, dim=1))
+
+    def _shrink_state(self, state: LinearAttentionState) -> LinearAttentionState:
+        """The query heads of a group share S and z (same keys and values): keep one copy."""
+        if self.group_size == 1:
+            return state
+        G = self.group_size
+        return LinearAttentionState(state.S[:, ::G].contiguous(), state.z[:, ::G].contiguous())
+
+
+class SoftmaxAttention(_MultiHeadProjections):
+    """Multi-head softmax attention with a KV cache: the baseline for :class:`LinearAttention`.
+
+    ``softmax(q kᵀ / sqrt(head_dim)) v`` per head (Vaswani et al., 2017, eq. 1), computed by
+    ``torch.nn.functional.scaled_dot_product_attention``. Same constructor and ``forward``
+    as :class:`LinearAttention`; the decoding state is a :class:`KVCache` holding every
+    earlier key and value, so its size and the cost of a step grow with the position.
+
+    Parameters
+    ----------
+    d_model : int
+        Width of the input and output, divisible by ``n_heads``.
+    n_heads : int
+        Query heads ``H``.
+    n_kv_heads : int, optional
+        Key-value heads dividing ``n_heads`` (GQA, Ainslie et al., 2023; MQA, Shazeer, 2019);
+        default ``n_heads``. The cache holds ``n_kv_heads`` heads.
+    causal : bool
+        Token ``i`` attends to tokens ``j <= i`` only.
+    bias : bool
+        Biases in the four projections.
+
+    Raises
+    ------
+    TypeError
+        A non-int size or a non-bool flag.
+    ValueError
+        A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by ``n_kv_heads``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
+                 causal: bool = False, bias: bool = False) -> None:
+        super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                state: Optional[KVCache] = None, return_state: bool = False
+                ) -> Union[Tensor, tuple[Tensor, KVCache]]:
+        """Attend over the cached tokens and ``x``.
+
+        Parameters
+        ----------
+        x : Tensor
+            ``(B, T, d_model)``, in the parameters' dtype and on their device.
+        key_padding_mask : Tensor, optional
+            ``(B, T)`` bool, True for real tokens; padded keys get zero weight, and a query
+            that sees no real key (left padding) outputs zeros.
+        state : KVCache, optional
+            Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)``; when causal
+            the tokens of ``x`` sit at positions ``T_cache, ..., T_cache + T - 1``.
+        return_state : bool
+            Also return the cache extended by the tokens of ``x``.
+
+        Returns
+        -------
+        y : Tensor
+            ``(B, T, d_model)``, dtype of ``x``.
+        state : KVCache
+            Only if ``return_state``: ``T_cache + T`` tokens, in the dtype of ``x``.
+
+        Raises
+        ------
+        TypeError
+            ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
+            flag; a ``state`` that is not a ``KVCache``.
+        ValueError
+            ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a cache whose
+            shape or dtype does not match.
+        """
+        self._check_inputs(x, key_padding_mask, return_state)
+        self._check_state(state, x)
+        B, T, _ = x.shape
+        q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
+        mask = key_padding_mask if key_padding_mask is not None else x.new_ones(B, T, dtype=torch.bool)
+        if state is not None:
+            k = torch.cat([state.k, k], dim=2)                            # (B, H_kv, P + T, D)
+            v = torch.cat([state.v, v], dim=2)
+            mask = torch.cat([state.key_padding_mask, mask], dim=1)       # (B, P + T)
+        if state is None and key_padding_mask is None:                    # plain (causal) attention
+            y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=self.causal)
+        else:
+            allowed, empty = self._allowed(mask, T)                       # (B, 1, T, P + T), (B, 1, T, 1)
+            y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=allowed)
+            y = y.masked_fill(empty, 0.0)                                 # (B, H, T, D)
+        y = self._merge(y)                                                # (B, T, d_model)
+        return (y, KVCache(k, v, mask)) if return_state else y
+
+    def _allowed(self, mask: Tensor, T: int) -> tuple[Tensor, Tensor]:
+        """Which keys each query may see; queries that see none attend everywhere, then output 0."""
+        B, Tk = mask.shape
+        allowed = mask[:, None, None, :].expand(B, 1, T, Tk)              # (B, 1, T, Tk)
+        if self.causal:
+            q_pos = torch.arange(Tk - T, Tk, device=mask.device)[:, None]  # the new tokens come last
+            allowed = allowed & (torch.arange(Tk, device=mask.device) <= q_pos)
+        empty = ~allowed.any(dim=-1, keepdim=True)                        # (B, 1, T, 1)
+        return allowed | empty, empty                                     # no -inf-only rows: no NaN
+
+    def _check_state(self, state, x: Tensor) -> None:
+        if state is None:
+            return
+        if not isinstance(state, KVCache):
+            raise TypeError(f"state must be a KVCache (or None) for SoftmaxAttention, got {type(state).__name__}")
+        B, Hkv, _, D = state.k.shape
+        if (B, Hkv, D) != (x.shape[0], self.n_kv_heads, self.head_dim):
+            raise ValueError(
+                f"state.k and state.v must have shape (batch={x.shape[0]}, n_kv_heads={self.n_kv_heads}, seq, "
+                f"head_dim={self.head_dim}), got {shape_str(state.k.shape)}")
+        if state.k.dtype != x.dtype:
+            raise TypeError(f"state holds {state.k.dtype} keys but x is {x.dtype}")
+        if state.k.device != x.device or state.key_padding_mask.device != x.device:
+            raise ValueError(f"state is on {state.k.device} but x is on {x.device}")
+
+
+# ---------------------------------------------------------------------------------------
+# Transformer block and language model
+# ---------------------------------------------------------------------------------------
+
+
+def _make_attention(attention: str, d_model: int, n_heads: int, *, n_kv_heads, feature_map, causal,
+                    chunk_size, bias) -> nn.Module:
+    if not isinstance(attention, str):
+        raise TypeError(f"attention must be a str, got {type(attention).__name__}")
+    if attention == "linear":
+        return LinearAttention(d_model, n_heads, n_kv_heads=n_kv_heads, feature_map=feature_map, causal=causal,
+                               chunk_size=chunk_size, bias=bias)
+    if attention == "softmax":
+        return SoftmaxAttention(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, bias=bias)
+    raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm Transformer block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``.
+
+    The attention sublayer is :class:`LinearAttention` or :class:`SoftmaxAttention`; the
+    MLP is ``Linear(d_model, mlp_ratio·d_model)``, GELU, ``Linear(mlp_ratio·d_model, d_model)``
+    (Vaswani et al., 2017, with the layer norm moved before each sublayer as in GPT-2 and
+    Xiong et al., 2020).
+
+    Parameters
+    ----------
+    d_model, n_heads : int
+        Width and query heads (``d_model`` divisible by ``n_heads``).
+    n_kv_heads : int, optional
+        Key-value heads (default ``n_heads``).
+    attention : str
+        ``"linear"`` or ``"softmax"``.
+    feature_map : str or callable
+        φ of linear attention (ignored for softmax).
+    causal : bool
+        Causal attention (needed for language modelling and decoding).
+    mlp_ratio : int
+        Hidden width of the MLP in multiples of ``d_model``.
+    chunk_size : int
+        Chunk length of causal linear attention.
+    bias : bool
+        Biases in the attention projections (the MLP and layer norms always have them).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the attention layers, plus an unknown ``attention`` or a bad ``mlp_ratio``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None, attention: str = "linear",
+                 feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False, mlp_ratio: int = 4,
+                 chunk_size: int = 64, bias: bool = False) -> None:
+        super().__init__()
+        _check_int(mlp_ratio, "mlp_ratio")
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = _make_attention(attention, d_model, n_heads, n_kv_heads=n_kv_heads, feature_map=feature_map,
+                                    causal=causal, chunk_size=chunk_size, bias=bias)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
+                                 nn.Linear(mlp_ratio * d_model, d_model))
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, state=None,
+                return_state: bool = False):
+        """``(B, T, d_model) -> (B, T, d_model)``; ``key_padding_mask``, ``state`` and
+        ``return_state`` are passed to the attention layer (see :meth:`LinearAttention.forward`
+        and :meth:`SoftmaxAttention.forward`, whose errors it raises).
+
+        Returns
+        -------
+        y : Tensor
+            ``(B, T, d_model)``.
+        state : LinearAttentionState or KVCache
+            Only if ``return_state``.
+        """
+        a = self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, state=state,
+                      return_state=return_state)                         # (B, T, d_model)
+        if return_state:
+            a, state = a
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))                                    # (B, T, d_model)
+        return (x, state) if return_state else x
+
+
+@dataclass
+class TransformerConfig:
+    """The hyper-parameters of :class:`TransformerLM` (``TransformerLM(**asdict(config))``)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: Optional[int] = None
+    attention: str = "linear"
+    feature_map: Union[str, FeatureMap, None] = "elu+1"
+    max_len: int = 256
+    mlp_ratio: int = 4
+    chunk_size: int = 64
+    bias: bool = False
+
+
+class TransformerLM(nn.Module):
+    """A decoder-only Transformer language model with linear or softmax attention.
+
+    Token embedding plus a learned absolute position embedding (positions ``0 ..
+    max_len - 1``), ``n_layers`` causal :class:`TransformerBlock`\\ s, a final layer norm and
+    an output layer tied to the token embedding (Press & Wolf, 2017), as in GPT-2 and
+    nanoGPT. With ``attention="linear"`` it is the linear Transformer of Katharopoulos et
+    al. (2020): trained in parallel (chunkwise), it generates as an RNN from a fixed-size
+    state; with ``"softmax"`` it generates from a KV cache.
+
+    Parameters
+    ----------
+    vocab_size : int
+        Number of token ids.
+    d_model : int
+        Model width (divisible by ``n_heads``).
+    n_layers : int
+        Number of blocks.
+    n_heads : int
+        Query heads per block.
+    n_kv_heads : int, optional
+        Key-value heads per block (GQA/MQA); default ``n_heads``.
+    attention : str
+        ``"linear"`` or ``"softmax"``.
+    feature_map : str or callable
+        φ of linear attention (default ``"elu+1"``); one callable object is shared by all blocks.
+    max_len : int
+        Number of learned positions: a sequence (prompt plus generated tokens) may have
+        at most ``max_len`` real tokens.
+    mlp_ratio : int
+        MLP hidden width in multiples of ``d_model``.
+    chunk_size : int
+        Chunk length of causal linear attention.
+    bias : bool
+        Biases in the attention projections.
+
+    Attributes
+    ----------
+    config : TransformerConfig
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad hyper-parameter, named in the message.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *,
+                 n_kv_heads: Optional[int] = None, attention: str = "linear",
+                 feature_map: Union[str, FeatureMap, None] = "elu+1", max_len: int = 256, mlp_ratio: int = 4,
+                 chunk_size: int = 64, bias: bool = False) -> None:
+        super().__init__()
+        for value, name in ((vocab_size, "vocab_size"), (n_layers, "n_layers"), (max_len, "max_len")):
+            _check_int(value, name)
+        self.config = TransformerConfig(vocab_size, d_model, n_layers, n_heads, n_kv_heads, attention, feature_map,
+                                        max_len, mlp_ratio, chunk_size, bias)
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_len, d_model)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, n_heads, n_kv_heads=n_kv_heads, attention=attention, feature_map=feature_map,
+                             causal=True, mlp_ratio=mlp_ratio, chunk_size=chunk_size, bias=bias)
+            for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight                        # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():                           # GPT-2's scaled residual init
+            if name.endswith("out_proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+                state: Optional[DecodingState] = None, return_state: bool = False
+                ) -> Union[Tensor, tuple[Tensor, DecodingState]]:
+        """Next-token logits for every position of ``idx`` (continuing from ``state``).
+
+        Parameters
+        ----------
+        idx : Tensor
+            ``(B, T)`` int64 token ids in ``[0, vocab_size)``.
+        key_padding_mask : Tensor, optional
+            ``(B, T)`` bool, True for real tokens. Positions count real tokens only, so a
+            left-padded prompt is processed exactly as the same prompt alone.
+        state : DecodingState, optional
+            From an earlier call with ``return_state=True``: ``idx`` continues those sequences.
+        return_state : bool
+            Also return the state after ``idx``.
+
+        Returns
+        -------
+        logits : Tensor
+            ``(B, T, vocab_size)`` in the parameters' dtype (meaningless at padded positions).
+        state : DecodingState
+            Only if ``return_state``.
+
+        Raises
+        ------
+        TypeError
+            ``idx`` not an int64 tensor; a non-bool mask; a ``state`` that is not a
+            ``DecodingState`` or holds the wrong kind of layer state.
+        ValueError
+            ``idx`` not 2-D or with ids out of range; a mask not ``(B, T)``; a state for a
+            different batch or number of layers; a position ``>= max_len``.
+        """
+        cfg = self.config
+        if not isinstance(idx, Tensor) or idx.dtype != torch.long:
+            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {_describe(idx)}")
+        if idx.dim() != 2 or idx.shape[0] == 0 or idx.shape[1] == 0:
+            raise ValueError(f"idx must have shape (batch, seq) with batch, seq >= 1, got {shape_str(idx.shape)}")
+        B, T = idx.shape
+        if int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size:
+            raise ValueError(f"idx must hold token ids in [0, {cfg.vocab_size}), got values in "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        _check_key_padding_mask(key_padding_mask, B, T, idx.device)
+        _check_bool(return_state, "return_state")
+        start = self._check_state(state, B, idx.device)                   # (B,)
+        steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if key_padding_mask is None
+                 else key_padding_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
+        pos = (start[:, None] + steps - 1).clamp_min(0)                   # (B, T) padding before a prompt: 0
+        if int(pos.max()) >= cfg.max_len:
+            raise ValueError(f"a sequence reached position {int(pos.max())} but the model has max_len="
+                             f"{cfg.max_len} learned positions")
+        x = self.tok_emb(idx) + self.pos_emb(pos)                         # (B, T, d_model)
+        layer_states = []
+        for i, block in enumerate(self.blocks):
+            out = block(x, key_padding_mask=key_padding_mask, state=None if state is None else state.layers[i],
+                        return_state=return_state)
+            x, s = out if return_state else (out, None)
+            layer_states.append(s)
+        logits = self.lm_head(self.ln_f(x))                               # (B, T, vocab_size)
+        if not return_state:
+            return logits
+        return logits, DecodingState(layer_states, start + steps[:, -1])
+
+    def _check_state(self, state, batch: int, device) -> Tensor:
+        """The positions where the sequences continue: (B,) int64 (zeros without a state)."""
+        if state is None:
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        if not isinstance(state, DecodingState):
+            raise TypeError(f"state must be a DecodingState (or None), got {type(state).__name__}")
+        if not isinstance(state.layers, (list, tuple)) or len(state.layers) != self.config.n_layers:
+            raise ValueError(f"state must hold one layer state per block ({self.config.n_layers}), got "
+                             f"{len(state.layers) if isinstance(state.layers, (list, tuple)) else state.layers!r}")
+        p = state.positions
+        if not isinstance(p, Tensor) or p.dtype != torch.long or tuple(p.shape) != (batch,):
+            raise ValueError(f"state.positions must be an int64 tensor of shape (batch,) = ({batch},), "
+                             f"got {_describe(p)}")
+        return p.to(device)
+
+    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.
+
+        Raises
+        ------
+        ValueError
+            If ``targets`` does not have the shape of ``idx`` (and as :meth:`forward`).
+        """
+        if not isinstance(targets, Tensor) or targets.shape != getattr(idx, "shape", None):
+            raise ValueError(f"targets must be a tensor shaped like idx {shape_str(idx.shape)}, got {_describe(targets)}")
+        logits = self(idx)                                                # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 *, key_padding_mask: Optional[Tensor] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Continue each prompt by ``max_new_tokens`` tokens, one at a time, from the decoding state.
+
+        The prompt is processed in one parallel pass that returns the state (the recurrent
+        state of linear attention, the KV cache of softmax attention); each new token then
+        costs one step from that state. Sampling follows nanoGPT: logits divided by
+        ``temperature``, optionally cut to the ``top_k`` largest, then a draw.
+
+        Parameters
+        ----------
+        idx : Tensor
+            ``(B, T)`` int64 prompts. Prompts of different lengths are left-padded: pad ids
+            (any valid id) first, marked False in ``key_padding_mask``.
+        max_new_tokens : int
+            Tokens to generate, ``>= 0``.
+        temperature : float
+            ``> 0`` to sample; ``0`` for greedy decoding (the most likely token every step).
+        top_k : int, optional
+            Sample among the ``top_k`` most likely tokens only.
+        key_padding_mask : Tensor, optional
+            ``(B, T)`` bool, True for real tokens; each row must be False then True (left
+            padding) with at least one True.
+        generator : torch.Generator, optional
+            Random source of the draws (on the model's device).
+
+        Returns
+        -------
+        Tensor
+            ``(B, T + max_new_tokens)`` int64: the prompts as given, then the new tokens.
+            Each row equals what its prompt generates alone (greedy; up to float rounding).
+
+        Raises
+        ------
+        TypeError
+            A non-int ``max_new_tokens`` or ``top_k``, a non-number ``temperature`` (and as
+            :meth:`forward`).
+        ValueError
+            Negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, a mask that is not
+            left padding, or more than ``max_len`` tokens in a sequence.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if top_k is not None:
+            _check_int(top_k, "top_k")
+        if isinstance(idx, Tensor) and idx.dim() == 2:
+            _check_key_padding_mask(key_padding_mask, idx.shape[0], idx.shape[1], idx.device)
+        if key_padding_mask is not None:
+            left_padded = (key_padding_mask[:, 1:] >= key_padding_mask[:, :-1]).all() & key_padding_mask[:, -1].all()
+            if not bool(left_padded):
+                raise ValueError("key_padding_mask must describe left padding (each row False... then True..., "
+                                 "ending in a real token) for generate")
+        if max_new_tokens == 0:
+            return idx.clone()
+        longest = idx.shape[1] if key_padding_mask is None else int(key_padding_mask.sum(dim=1).max())
+        if longest + max_new_tokens - 1 > self.config.max_len:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
+                             f"{longest + max_new_tokens - 1} positions but max_len={self.config.max_len}")
+        logits, state = self(idx, key_padding_mask=key_padding_mask, return_state=True)  # (B, T, V)
+        new = []
+        for i in range(max_new_tokens):
+            nxt = self._pick(logits[:, -1], temperature, top_k, generator)                # (B, 1)
+            new.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits, state = self(nxt, state=state, return_state=True)                 # (B, 1, V)
+        return torch.cat([idx, *new], dim=1)                                              # (B, T + new)
+
+    @staticmethod
+    def _pick(logits: Tensor, temperature: float, top_k: Optional[int], generator) -> Tensor:
+        """One token per row of ``logits`` (B, V): argmax when ``temperature == 0``, else a draw."""
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)                   # (B, 1)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]       # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------
+
+
+def _describe(x) -> str:
+    if isinstance(x, Tensor):
+        return f"a {x.dtype} tensor of shape {shape_str(x.shape)}"
+    return type(x).__name__
+
+
+def _check_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _check_bool(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_key_padding_mask(mask, batch: int, seq: int, device) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got {_describe(mask)}")
+    if tuple(mask.shape) != (batch, seq):
+        raise ValueError(f"key_padding_mask must have shape (batch, seq) = ({batch}, {seq}), "
+                         f"got {shape_str(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but the input is on {device}")
