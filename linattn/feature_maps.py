@@ -67,7 +67,9 @@ def elu_plus_one(x: Tensor) -> Tensor:
     Returns
     -------
     Tensor
-        Same shape and dtype as ``x`` (``M = D``), every entry in ``(0, inf)``.
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``(0, inf)`` until
+        ``exp(x)`` underflows (``x < -103`` in float32): ``exp(x)`` is computed directly,
+        never as ``elu(x) + 1``, whose ``-1 + 1`` cancels to exactly 0 from ``x ≈ -17``.
 
     Raises
     ------
@@ -75,7 +77,24 @@ def elu_plus_one(x: Tensor) -> Tensor:
         If ``x`` is not a floating-point tensor.
     """
     _check_floating(x, "x")
-    return F.elu(x).add_(1.0)  # in place: elu's backward needs its input, not its output
+    return _EluPlusOne.apply(x)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        y = x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+        ctx.save_for_backward(x, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        x, y = ctx.saved_tensors
+        # dφ/dx = 1 for x > 0 and e^x = φ(x) for x <= 0. Written with the saved output,
+        # this backward is itself differentiable (second derivatives work).
+        return torch.where(x > 0, grad, grad * y)
 
 
 def relu(x: Tensor) -> Tensor:
@@ -566,13 +585,14 @@ def distill_feature_map(feature_map: nn.Module, q: Tensor, k: Tensor, *, steps: 
     entropy = -(target * target.clamp_min(1e-30).log()).sum(-1).mean()
     opt = torch.optim.Adam(params, lr=lr)
     history = []
-    for _ in range(steps):
-        weights = _kernel_weights(feature_map(q), feature_map(k), causal)         # (B, H, T, T)
-        cross_entropy = -(target * weights.clamp_min(1e-30).log()).sum(-1).mean()
-        history.append(float(cross_entropy.detach() - entropy))
-        opt.zero_grad()
-        cross_entropy.backward()
-        opt.step()
+    with torch.enable_grad():                     # also when called under torch.no_grad()
+        for _ in range(steps):
+            weights = _kernel_weights(feature_map(q), feature_map(k), causal)     # (B, H, T, T)
+            cross_entropy = -(target * weights.clamp_min(1e-30).log()).sum(-1).mean()
+            history.append(float(cross_entropy.detach() - entropy))
+            opt.zero_grad()
+            cross_entropy.backward()
+            opt.step()
     return history
 
 
