@@ -150,6 +150,29 @@ def test_notebook_first_cell_is_colab_install(path):
     tagged_elsewhere = [i for i, c in enumerate(nb["cells"][1:], 1)
                         if COLAB_TAG in c.get("metadata", {}).get("tags", [])]
     assert not tagged_elsewhere, f"{_rel(path)}: cells {tagged_elsewhere} are also tagged {COLAB_TAG!r}"
+    # The repository URL is written once, in _config.yml; the cell is generated from it.
+    source = first["source"] if isinstance(first["source"], str) else "".join(first["source"])
+    assert source == _execute_script().colab_cell_source(ROOT), (
+        f"{_rel(path)}: the Colab cell is not the one _config.yml gives; re-run .ci/execute_notebooks.py"
+    )
+
+
+def _execute_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / ".ci" / "execute_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_repository_url_is_written_in_one_place():
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+    url = config["repository"]["url"].rstrip("/")
+    tracked = [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "requirements.txt",
+               *(ROOT / "chapters").glob("*.md"), *(ROOT / "linattn").rglob("*.py")]
+    holders = [_rel(p) for p in tracked if url in p.read_text(encoding="utf-8")]
+    assert holders == [], f"the repository URL is also written in {holders}; read it from _config.yml"
 
 
 def _bib_keys() -> list[str]:
