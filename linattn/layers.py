@@ -234,10 +234,11 @@ class LinearAttention(_MultiHeadProjections):
     Raises
     ------
     TypeError
-        A non-int size, a non-bool flag, a feature map that is neither a name, a callable nor None.
+        A non-int size, a non-bool flag, a non-number ``eps``, a feature map that is neither a
+        name, a callable nor None.
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
-        ``n_kv_heads``, an unknown feature map name.
+        ``n_kv_heads``, ``eps <= 0``, an unknown feature map name.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
@@ -246,8 +247,10 @@ class LinearAttention(_MultiHeadProjections):
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
         _check_bool(normalize, "normalize")
         _check_int(chunk_size, "chunk_size")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"eps must be a positive float, got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        if not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"eps must be a positive finite number, got {eps}")
         self.feature_map = resolve_feature_map(feature_map)   # a module is registered as a submodule
         self.feature_map_name = feature_map if isinstance(feature_map, str) else None
         self.normalize, self.eps, self.chunk_size = normalize, float(eps), chunk_size
@@ -269,7 +272,8 @@ class LinearAttention(_MultiHeadProjections):
             or to the returned state (their own outputs are meaningless).
         state : LinearAttentionState, optional
             The state after earlier tokens: ``S`` ``(B, H_kv, M, head_dim)``, ``z``
-            ``(B, H_kv, M)``. The tokens of ``x`` come after them.
+            ``(B, H_kv, M)``. The tokens of ``x`` come after them. Not with a feature map
+            marked ``position_dependent`` (cosFormer): the state does not record the position.
         return_state : bool
             Also return the state after the last token of ``x``.
 
@@ -288,11 +292,17 @@ class LinearAttention(_MultiHeadProjections):
             flag; a ``state`` that is not a ``LinearAttentionState``.
         ValueError
             ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a state whose
-            shapes do not match ``(B, H_kv, M, head_dim)``.
+            shapes do not match ``(B, H_kv, M, head_dim)``; a state with a position-dependent
+            feature map.
         """
         self._check_inputs(x, key_padding_mask, return_state)
-        q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
         phi = self.feature_map
+        if state is not None and getattr(phi, "position_dependent", False):
+            raise ValueError(
+                f"state cannot be continued with the position-dependent feature_map {type(phi).__name__}: "
+                "a LinearAttentionState does not record how many tokens it has seen, so the new tokens "
+                "would get the features of positions 0, 1, ...; use a position-independent map to decode")
+        q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
         phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))        # (B, H, T, M), (B, H_kv, T, M)
         self._check_state(state, x, phi_k.shape[-1])
         state = self._expand_state(state)                                 # per query head: (B, H, M, D)

@@ -376,3 +376,33 @@ def test_bad_model_inputs():
         model.generate(_ids(2, 5), 3, top_k=0)
     with pytest.raises(ValueError, match="targets"):
         model.loss(_ids(2, 5), _ids(2, 4))
+
+
+def test_bad_linear_layer_options():
+    with pytest.raises(ValueError, match="eps"):
+        LinearAttention(32, 4, eps=0.0)
+    with pytest.raises(TypeError, match="eps"):
+        LinearAttention(32, 4, eps="small")
+    with pytest.raises(TypeError, match="chunk_size"):
+        LinearAttention(32, 4, chunk_size=8.0)
+    with pytest.raises(TypeError, match="feature_map"):
+        LinearAttention(32, 4, feature_map=3)
+
+
+class _PositionalFeatures(torch.nn.Module):
+    """A stand-in for cosFormer-like maps whose features depend on the position along dim 2."""
+
+    position_dependent = True
+
+    def forward(self, x, *, offset=0):
+        pos = torch.arange(offset, offset + x.shape[-2], dtype=x.dtype)[:, None]
+        return torch.nn.functional.elu(x) + 1 + 0.01 * pos
+
+
+def test_position_dependent_feature_map_refuses_to_continue_a_state():
+    layer = LinearAttention(16, 2, feature_map=_PositionalFeatures(), causal=True)
+    x = torch.randn(1, 5, 16)
+    y, state = layer(x, return_state=True)                             # a whole sequence is fine
+    assert y.shape == x.shape
+    with pytest.raises(ValueError, match="state cannot be continued with the position-dependent feature_map"):
+        layer(x[:, :1], state=state)
