@@ -212,6 +212,9 @@ class PerformerFeatures(nn.Module):
     Recht, 2007). With ``orthogonal=True`` the ``ω`` are orthogonal in blocks of ``D``
     (Gram-Schmidt via QR) and rescaled to the norms of Gaussian vectors: each is still
     ``N(0, I)`` on its own, so the estimate stays unbiased, and its variance is lower.
+    One feature's variance relative to the kernel's square is ``exp(|q̃ + k̃|²) - 1``: the
+    estimate degrades exponentially with the size of the inputs, i.e. with the sharpness
+    of the attention it approximates (chapter 6 measures it).
 
     Numerics: the exponent is formed first and exponentiated once (log space), never as
     ``exp(Wx̃) · exp(-|x̃|²/2)``, whose factors overflow and underflow separately. No
@@ -323,6 +326,13 @@ class PerformerFeatures(nn.Module):
         if self.projection is not None:
             self._draw(self.projection.shape[1])
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A map whose projection is drawn lazily (head_dim=None) can still load a saved one.
+        key = prefix + "projection"
+        if self.projection is None and key in state_dict:
+            self.projection = torch.empty_like(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _draw(self, D: int) -> None:
         M = self.num_features if self.num_features is not None else D * max(1, math.ceil(math.log(D)))
@@ -490,6 +500,10 @@ class CosFormerFeatures(nn.Module):
         ``max_len < 1``; (at call) an input that is not 4-D, a negative ``offset``, or
         ``offset + T > max_len``.
     """
+
+    position_dependent = True
+    """Marks a map whose features depend on the position: callers that feed a sequence in
+    pieces (decoding) must pass ``offset=`` the number of tokens already seen."""
 
     def __init__(self, max_len: Optional[int] = None) -> None:
         super().__init__()

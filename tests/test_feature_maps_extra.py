@@ -213,6 +213,18 @@ def test_performer_fixed_between_calls_redraw_and_seed():
     assert "projection" in phi.state_dict()
 
 
+def test_performer_state_dict_round_trip_into_a_lazy_map():
+    """A saved projection (e.g. redrawn during training) loads into a fresh map built by name."""
+    trained = PerformerFeatures(num_features=24, seed=0)
+    x = _randn(2, 1, 5, D)
+    trained(x)
+    trained.redraw(seed=9)
+    fresh = get_feature_map("performer", num_features=24)
+    assert fresh.projection is None
+    fresh.load_state_dict(trained.state_dict())
+    assert torch.equal(fresh(x), trained(x))
+
+
 def test_performer_default_scale_targets_softmax_kernel():
     """Default scale 1/√D: averaged over 20000 draws (blocks of M = D), φ(q)ᵀφ(k) is within 4 standard
     errors of exp(qᵀk/√D)."""
