@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -113,7 +115,9 @@ def linear_attention(
     - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
     - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.chunked`. On CUDA,
       when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
-      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it).
+      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it);
+      ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
+      PyTorch path takes over with a ``RuntimeWarning``.
     - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
 
     Parameters
@@ -193,13 +197,11 @@ def linear_attention(
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
-        from .kernels import chunk_linear_attention_triton
-
-        S0 = None if state0 is None else state0.augmented()
-        v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)   # (B, H, T, Dv + 1)
-        out_aug, S = chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size)
-        out = finish(out_aug, normalize, eps).to(q.dtype)
-        return (out, LinearAttentionState.from_augmented(S)) if return_state else out
+        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size)
+        if fused is not None:
+            out_aug, S = fused
+            out = finish(out_aug, normalize, eps).to(q.dtype)
+            return (out, LinearAttentionState.from_augmented(S)) if return_state else out
     if method == "chunk":
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
@@ -222,8 +224,15 @@ def linear_attention(
     return out
 
 
+# Set when the fused kernel failed to compile or launch in this process: the message, once.
+_FUSED_KERNEL_FAILURE: list[str] = []
+
+
 def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
-    """The Triton kernel runs for CUDA float32 features and power-of-two chunks >= 16."""
+    """The Triton kernel runs for CUDA float32 features and power-of-two chunks >= 16, unless
+    the environment sets ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
+    if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" or _FUSED_KERNEL_FAILURE:
+        return False
     if not phi_q.is_cuda or phi_q.dtype != torch.float32:
         return False
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -231,6 +240,26 @@ def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
     from .kernels import triton_available
 
     return triton_available()
+
+
+def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
+                 chunk_size: int) -> Optional[tuple[Tensor, Tensor]]:
+    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU."""
+    from . import kernels
+
+    S0 = None if state0 is None else state0.augmented()
+    v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)   # (B, H, T, Dv + 1)
+    try:
+        return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size)
+    except Exception as err:  # e.g. a compile or launch failure (out of shared memory) on this GPU
+        _FUSED_KERNEL_FAILURE.append(repr(err))
+        warnings.warn(
+            f"linattn: the fused Triton kernel failed ({err!r}); using the PyTorch chunk path "
+            "from now on in this process (set LINATTN_DISABLE_TRITON=1 to skip the kernel)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
 def _resolve_method(method, causal: bool) -> str:

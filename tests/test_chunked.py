@@ -94,3 +94,29 @@ def test_float16_at_65536_tokens_is_finite(causal):
     # the last query of the causal run sees every key: it must equal the non-causal answer's float32 value
     ref = linattn.linear_attention(q[:, :, -1:].float(), k.float(), v.float())
     assert torch.allclose(out[:, :, -1:].float(), ref, atol=2 * 2.0**-11, rtol=0)
+
+
+def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
+    # On CUDA the Triton kernel runs automatically; it has not been exercised on every GPU, so a
+    # kernel that fails to compile or launch must not take linear_attention down with it.
+    from linattn import attention, kernels
+
+    def broken_kernel(*args, **kwargs):
+        raise RuntimeError("out of shared memory (simulated)")
+
+    monkeypatch.setattr(attention, "_fused_kernel_applies", lambda phi_q, chunk_size: not attention._FUSED_KERNEL_FAILURE)
+    monkeypatch.setattr(kernels, "chunk_linear_attention_triton", broken_kernel, raising=False)
+    monkeypatch.setattr(attention, "_FUSED_KERNEL_FAILURE", [])
+    q, k, v = _qkv(1, 2, 40, 8, 8, dtype=torch.float32)
+    with pytest.warns(RuntimeWarning, match="fused Triton kernel failed"):
+        out = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
+    ref = linattn.linear_attention(q, k, v, causal=True, method="quadratic")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert attention._FUSED_KERNEL_FAILURE  # remembered: no second attempt, no second warning
+
+
+def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):
+    from linattn import attention
+
+    monkeypatch.setenv("LINATTN_DISABLE_TRITON", "1")
+    assert attention._fused_kernel_applies(torch.zeros(1, 1, 4, 4), 16) is False
