@@ -29,6 +29,7 @@ from nbclient import NotebookClient
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 COLAB_TAG = "colab-install"
+REMOVE_TAG = "remove-cell"  # jupyter-book: not shown in the HTML
 COLAB_CELL = '''\
 # Runs only on Google Colab: installs linattn from the book's repository
 # (Colab's own torch is kept). Locally, `pip install -r requirements.txt` does this.
@@ -70,10 +71,13 @@ def set_colab_cell(nb: nbformat.NotebookNode) -> None:
     first = nb.cells[0] if nb.cells else None
     if first is not None and COLAB_TAG in first.get("metadata", {}).get("tags", []):
         first.source = source
+        cell = first
     else:
         cell = nbformat.v4.new_code_cell(source)
-        cell.metadata["tags"] = [COLAB_TAG]
         nb.cells.insert(0, cell)
+    # The cell matters only on Colab, where the notebook comes straight from the repository;
+    # "remove-cell" keeps it off the rendered page (it would sit above the chapter's title).
+    cell.metadata["tags"] = [COLAB_TAG, REMOVE_TAG]
     # Ask Colab for a GPU runtime when the notebook is opened there.
     nb.metadata.setdefault("accelerator", "GPU")
     nb.metadata.setdefault("colab", {"provenance": [], "gpuType": "T4"})

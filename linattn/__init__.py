@@ -9,7 +9,7 @@ from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, Pe
 from .recurrent import LinearAttentionState, linear_attention_step
 from .layers import (DecodingState, KVCache, LinearAttention, SoftmaxAttention, TransformerBlock,
                      TransformerConfig, TransformerLM)
-from .utils import default_device, set_seed, use_book_style
+from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,8 @@ __all__ = [
     "set_seed",
     "default_device",
     "use_book_style",
+    "book_figure",
+    "finish_figure",
     "LinearAttention",
     "SoftmaxAttention",
     "TransformerBlock",
