@@ -7,6 +7,7 @@ from .feature_maps import elu_plus_one, get_feature_map, relu
 from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, PerformerFeatures, TaylorFeatures,
                            distill_feature_map, squared_relu)
 from .recurrent import LinearAttentionState, linear_attention_step
+from .decay import delta_rule, gated_linear_attention, retention
 from .layers import (DecodingState, KVCache, LinearAttention, SoftmaxAttention, TransformerBlock,
                      TransformerConfig, TransformerLM)
 from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
@@ -17,6 +18,9 @@ __all__ = [
     "softmax_attention",
     "linear_attention",
     "linear_attention_step",
+    "retention",
+    "gated_linear_attention",
+    "delta_rule",
     "LinearAttentionState",
     "elu_plus_one",
     "relu",

@@ -8,7 +8,11 @@ the command line::
     python -m linattn.bench --device cpu --seq-lens 1024 4096 16384 --heads 8 \\
         --json bench.json --plot bench.png
 
-or from Python, with :func:`run_benchmark` and :func:`format_table`.
+or from Python, with :func:`run_benchmark` and :func:`format_table`. The decay family of
+:mod:`linattn.decay` (retention, GLA, the delta rule) has its own table, chunk form
+against recurrent form (:func:`run_decay_benchmark`, :func:`format_decay_table`)::
+
+    python -m linattn.bench --decay                           # T = 4096, B = 1, H = 4, D = 64
 
 Methods (every one computes causal, normalised linear attention with elu+1 features,
 except ``sdpa``, which is the softmax reference):
@@ -76,6 +80,9 @@ __all__ = [
     "plot_results",
     "machine_info",
     "main",
+    "DECAY_VARIANTS",
+    "run_decay_benchmark",
+    "format_decay_table",
 ]
 
 METHODS = ("sdpa", "quadratic", "cumsum", "baseline_chunk", "chunk", "fused")
@@ -885,6 +892,178 @@ def _memory_limit(max_memory_gb: Optional[float], device: torch.device) -> float
         return math.inf
 
 
+# --------------------------------------------------------------------------- decay, gates, delta rule
+
+DECAY_VARIANTS = ("retention", "gla", "delta")
+DEFAULT_DECAY_SEQ_LENS = (4096,)
+
+
+def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
+                  seed: int) -> tuple[Tensor, ...]:
+    """Seeded q, k, v (leaves that require grad) and the variant's decay argument.
+
+    retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/16``
+    (GLA's gate with temperature 16); delta: L2-normalised keys and ``β = sigmoid(x)``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, x = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))     # (B, H, T, D)
+    if variant == "retention":
+        extra = 1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float64))            # (H,)
+    elif variant == "gla":
+        extra = F.logsigmoid(x) / 16                                             # (B, H, T, D)
+    else:
+        k = F.normalize(k, dim=-1)
+        extra = torch.sigmoid(x[..., 0])                                         # (B, H, T)
+    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+    extra = extra.to(device=device, dtype=torch.float32 if variant == "retention" else dtype)
+    return q, k, v, extra
+
+
+def run_decay_benchmark(
+    seq_lens: Sequence[int] = DEFAULT_DECAY_SEQ_LENS,
+    *,
+    variants: Sequence[str] = DECAY_VARIANTS,
+    device: Union[torch.device, str, None] = None,
+    dtype: Union[torch.dtype, str] = torch.float32,
+    batch: int = 1,
+    heads: int = 4,
+    head_dim: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repeats: int = 3,
+    warmup: int = 1,
+    backward: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[dict]:
+    """Time the chunkwise and the recurrent forms of :mod:`linattn.decay` against each other.
+
+    For each variant (``retention``: :func:`linattn.decay.retention`, ``gla``:
+    :func:`~linattn.decay.gated_linear_attention`, ``delta``: :func:`~linattn.decay.delta_rule`)
+    and each ``T``, both ``method="chunk"`` and ``method="recurrent"`` run on the same
+    seeded inputs (``D = Dv = head_dim``): the median forward time under ``torch.no_grad``
+    and, with ``backward``, the median forward+backward time (``autograd.grad`` w.r.t.
+    q, k, v of the output against a seeded upstream gradient).
+
+    Parameters
+    ----------
+    seq_lens : sequence of int
+        Sequence lengths ``T``.
+    variants : sequence of str
+        Names from :data:`DECAY_VARIANTS`.
+    device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup, seed, progress
+        As in :func:`run_benchmark`.
+    backward : bool
+        Also time forward+backward.
+
+    Returns
+    -------
+    list of dict
+        One dict per (T, variant, method) with keys ``variant``, ``method``, ``seq_len``,
+        ``batch``, ``heads``, ``head_dim``, ``chunk_size``, ``dtype``, ``device``, ``fwd_s``
+        and ``fwd_bwd_s`` (median seconds; None when not measured).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``,
+        CUDA requested but not available.
+    """
+    from . import decay
+
+    device = _resolve_device(device)
+    dtype = _resolve_dtype(dtype)
+    variants = list(dict.fromkeys(variants))
+    if not variants:
+        raise ValueError("variants must name at least one variant")
+    for variant in variants:
+        if variant not in DECAY_VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(DECAY_VARIANTS)}")
+    seq_lens = [_check_positive_int(T, "seq_lens entries") for T in seq_lens]
+    if not seq_lens:
+        raise ValueError("seq_lens must hold at least one sequence length")
+    for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"), (repeats, "repeats"),
+                        (chunk_size, "chunk_size")):
+        _check_positive_int(value, name)
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    functions = {"retention": decay.retention, "gla": decay.gated_linear_attention, "delta": decay.delta_rule}
+    results = []
+    with tqdm(total=len(seq_lens) * len(variants) * 2, disable=not progress, unit="cell",
+              desc="linattn.bench --decay", file=sys.stderr) as bar:
+        for T in seq_lens:
+            for variant in variants:
+                q, k, v, extra = _decay_inputs(variant, batch, heads, T, head_dim, dtype, device, seed)
+                grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+                for method in ("chunk", "recurrent"):
+                    bar.set_postfix_str(f"{variant} {method} T={T}")
+
+                    def call(method=method, variant=variant, q=q, k=k, v=v, extra=extra):
+                        return functions[variant](q, k, v, extra, method=method, chunk_size=chunk_size)
+
+                    def forward(call=call) -> None:
+                        with torch.no_grad():
+                            call()
+
+                    def forward_backward(call=call, q=q, k=k, v=v, grad_out=grad_out) -> None:
+                        torch.autograd.grad(call(), (q, k, v), grad_out)
+
+                    row = dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
+                               head_dim=head_dim, chunk_size=chunk_size, dtype=_dtype_name(dtype),
+                               device=str(device), fwd_s=None, fwd_bwd_s=None)
+                    row["fwd_s"] = median_time(forward, repeats=repeats, warmup=warmup, device=device)
+                    if backward:
+                        row["fwd_bwd_s"] = median_time(forward_backward, repeats=repeats, warmup=warmup,
+                                                       device=device)
+                    results.append(row)
+                    bar.update()
+    return results
+
+
+def format_decay_table(results: Sequence[dict]) -> str:
+    """An aligned plain-text table of :func:`run_decay_benchmark`'s results.
+
+    One line per (T, variant): median forward and forward+backward times (ms) of the
+    chunk and recurrent forms, and the ratios recurrent / chunk (above 1: the chunk
+    form is faster).
+
+    Parameters
+    ----------
+    results : sequence of dict
+        As returned by :func:`run_decay_benchmark`.
+
+    Returns
+    -------
+    str
+        The table with a title and a legend; no trailing newline.
+    """
+    if not results:
+        return "(no results)"
+    first = results[0]
+    cells = {(r["seq_len"], r["variant"], r["method"]): r for r in results}
+    keys = list(dict.fromkeys((r["seq_len"], r["variant"]) for r in results))
+    header = ["T", "variant", "chunk fwd ms", "rec fwd ms", "fwd rec/chunk",
+              "chunk f+b ms", "rec f+b ms", "f+b rec/chunk"]
+    rows = [header]
+    for T, variant in keys:
+        chunk, rec = cells.get((T, variant, "chunk")), cells.get((T, variant, "recurrent"))
+        row = [str(T), variant]
+        for key in ("fwd_s", "fwd_bwd_s"):
+            a = None if chunk is None else chunk[key]
+            b = None if rec is None else rec[key]
+            row += [_num(a, 1e3), _num(b, 1e3), _num(b / a) + "x" if a and b else "-"]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join([row[0].rjust(widths[0]), row[1].ljust(widths[1])]
+                       + [c.rjust(w) for c, w in zip(row[2:], widths[2:])]).rstrip() for row in rows]
+    title = (f"linattn.decay on {first['device']}, {first['dtype']}, B={first['batch']} H={first['heads']} "
+             f"D=Dv={first['head_dim']}, C={first['chunk_size']}: chunk vs recurrent")
+    legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; "
+              "rec/chunk: recurrent time / chunk time (> 1: the chunk form is faster).")
+    return "\n".join([title, "", *lines, "", legend])
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -920,7 +1099,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", choices=("cpu", "cuda"), default=None,
         help="where to run (default: cuda if available, else cpu)")
     add("--dtype", choices=tuple(DTYPES), default="float32", help="input dtype (default: %(default)s)")
-    add("--seq-lens", type=_positive_int, nargs="+", default=list(DEFAULT_SEQ_LENS), metavar="T",
+    add("--seq-lens", type=_positive_int, nargs="+", default=None, metavar="T",
         help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQ_LENS))})")
     add("--batch", type=_positive_int, default=1, help="batch size B (default: %(default)s)")
     add("--heads", type=_positive_int, default=4, help="heads H (default: %(default)s)")
@@ -939,6 +1118,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--json", metavar="PATH", help="write metadata and raw results as JSON")
     add("--plot", metavar="PATH", help="save a PNG of time and memory against T (matplotlib)")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--decay", action="store_true",
+        help="instead: time the chunk and recurrent forms of retention, GLA and the delta rule "
+             f"(linattn.decay); --seq-lens defaults to {' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, "
+             "--methods, --max-memory-gb and --plot do not apply")
     return parser
 
 
@@ -963,6 +1146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--plot needs matplotlib (pip install matplotlib)")
 
     device = _resolve_device(args.device)
+    if args.decay:
+        return _main_decay(args, parser, device, argv)
+    if args.seq_lens is None:
+        args.seq_lens = list(DEFAULT_SEQ_LENS)
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
                     max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size, seed=args.seed)
@@ -984,6 +1171,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plot_results(results, args.plot)
         print(f"wrote {args.plot}")
     return 1 if any(r["status"] == "failed" for r in results) else 0
+
+
+def _main_decay(args: argparse.Namespace, parser: argparse.ArgumentParser, device: torch.device,
+                argv: Optional[Sequence[str]]) -> int:
+    """``python -m linattn.bench --decay``: the table of :func:`run_decay_benchmark` (and JSON)."""
+    if args.plot is not None:
+        parser.error("--plot does not apply to --decay")
+    seq_lens = args.seq_lens if args.seq_lens is not None else list(DEFAULT_DECAY_SEQ_LENS)
+    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                    chunk_size=args.chunk_size, repeats=args.repeats, warmup=args.warmup,
+                    backward=not args.no_backward, seed=args.seed)
+    results = run_decay_benchmark(seq_lens, **settings, progress=not args.no_progress)
+    print(format_decay_table(results))
+    if args.json is not None:
+        metadata = machine_info(device)
+        metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},
+                        seq_lens=seq_lens, variants=list(DECAY_VARIANTS),
+                        command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
+        with open(args.json, "w") as f:
+            json.dump({"metadata": metadata, "results": results}, f, indent=2)
+            f.write("\n")
+        print(f"\nwrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
