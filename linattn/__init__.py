@@ -8,6 +8,7 @@ from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, Pe
                            distill_feature_map, squared_relu)
 from .recurrent import LinearAttentionState, linear_attention_step
 from .decay import delta_rule, gated_linear_attention, retention
+from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
 from .layers import (DecodingState, KVCache, LinearAttention, SoftmaxAttention, TransformerBlock,
                      TransformerConfig, TransformerLM)
 from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
@@ -21,6 +22,8 @@ __all__ = [
     "retention",
     "gated_linear_attention",
     "delta_rule",
+    "sequence_parallel_linear_attention",
+    "ring_softmax_attention",
     "LinearAttentionState",
     "elu_plus_one",
     "relu",

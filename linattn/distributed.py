@@ -1,0 +1,895 @@
+"""Sequence parallelism over ``torch.distributed``: each rank holds a contiguous slice of the sequence.
+
+Linear attention needs only a fixed-size state from the tokens before a slice, so ranks
+exchange ``B·H·M·(Dv + 1)`` numbers each, whatever the sequence length (Sun et al., 2024,
+"Linear Attention Sequence Parallelism", sec. 3). Softmax attention needs every earlier key
+and value: the ring-attention baseline passes ``K, V`` blocks from rank to rank (Liu, Zaharia
+& Abbeel, 2023, "Ring Attention with Blockwise Transformers", sec. 3).
+
+Everything communicates through PyTorch's own collectives (``all_gather``, ``all_reduce``,
+``send``/``recv``, ``isend``/``irecv``); there is no communication layer of our own. What
+this module adds:
+
+- :func:`sequence_parallel_linear_attention`: causal (an exclusive prefix of the per-rank
+  states over ranks) and non-causal (one all-reduce), differentiable: the backward pass
+  communicates too.
+- :func:`ring_softmax_attention`: the softmax baseline, forward only.
+- :func:`count_bytes`: counts the bytes each rank hands to ``torch.distributed``.
+- :func:`run_on_ranks` and :func:`measure_sequence_parallel`: start a process group of
+  ``P`` CPU processes (gloo on 127.0.0.1), run a module-level function on every rank and
+  return the results; the tests and chapter 11 use them.
+
+Every rank must make the same calls in the same order (as with any collective code), and
+when training, every rank must call ``backward`` on a loss that uses the output.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import numbers
+import os
+import pickle
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from . import _checks
+from .attention import _resolve_method, linear_attention
+from .feature_maps import FeatureMap, resolve_feature_map
+from .recurrent import LinearAttentionState
+
+__all__ = [
+    "STATE_EXCHANGES",
+    "sequence_parallel_linear_attention",
+    "local_state",
+    "ring_softmax_attention",
+    "ByteCounter",
+    "count_bytes",
+    "RankError",
+    "run_on_ranks",
+    "measure_sequence_parallel",
+]
+
+STATE_EXCHANGES = ("allgather", "ring")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# Counting the bytes a rank sends
+# ---------------------------------------------------------------------------------------
+
+
+class ByteCounter:
+    """Bytes this process handed to ``torch.distributed`` while the counter was active.
+
+    Each communication call of this module appends ``(op, nbytes)`` to :attr:`records`:
+
+    - ``send`` / ``isend``: the tensor's size in bytes (exact);
+    - ``all_gather`` of an ``s``-byte tensor over ``P`` ranks: ``(P - 1)·s``, what each rank
+      sends in the ring all-gather algorithm;
+    - ``all_reduce`` of ``s`` bytes: ``2·(P - 1)·s // P``, the ring (reduce-scatter then
+      all-gather) algorithm's count.
+
+    For the collectives these are the textbook algorithms' counts, not gloo's or NCCL's
+    wire traffic (their algorithm choice depends on the message size); for point-to-point
+    calls they are the payload exactly. Labels: ``"handshake"`` (the shape check),
+    ``"state"`` / ``"state_grad"`` (linear attention's forward / backward), ``"kv"`` (ring
+    attention's key-value blocks).
+    """
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, int]] = []
+
+    @property
+    def bytes_sent(self) -> int:
+        """Total bytes over all recorded calls."""
+        return sum(n for _, n in self.records)
+
+    def by_op(self) -> dict[str, int]:
+        """Bytes per label, e.g. ``{"handshake": 96, "state": 2176}``."""
+        totals: dict[str, int] = {}
+        for op, n in self.records:
+            totals[op] = totals.get(op, 0) + n
+        return totals
+
+
+_ACTIVE_COUNTERS: list[ByteCounter] = []
+
+
+@contextlib.contextmanager
+def count_bytes() -> Iterator[ByteCounter]:
+    """Count the bytes this rank sends inside the ``with`` block.
+
+    Example::
+
+        with count_bytes() as counter:
+            out = sequence_parallel_linear_attention(q, k, v, causal=True)
+        counter.bytes_sent, counter.by_op()
+
+    Yields
+    ------
+    ByteCounter
+        Filled in while the block runs (nested counters all record).
+    """
+    counter = ByteCounter()
+    _ACTIVE_COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _ACTIVE_COUNTERS.remove(counter)
+
+
+def _record(op: str, nbytes: int) -> None:
+    for counter in _ACTIVE_COUNTERS:
+        counter.records.append((op, int(nbytes)))
+
+
+def _nbytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+# ---------------------------------------------------------------------------------------
+# The process group and thin wrappers around its collectives
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    group: Optional[Any]   # a torch.distributed ProcessGroup, or None for the default group
+    rank: int
+    world: int
+
+    def global_rank(self, r: int) -> int:
+        """Rank ``r`` of the group as a global rank (what ``send``/``recv`` take as peer)."""
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def device(self) -> torch.device:
+        """Where small control tensors must live: the current GPU for NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _ranks(group, caller: str) -> _Ranks:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{caller} needs an initialised torch.distributed process group; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets it up), or use "
+            "linattn.linear_attention in a single process"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of group")
+    return _Ranks(group, rank, dist.get_world_size(group))
+
+
+def _all_gather(x: Tensor, ranks: _Ranks, op: str) -> list[Tensor]:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(ranks.world)]
+    dist.all_gather(parts, x, group=ranks.group)
+    _record(op, (ranks.world - 1) * _nbytes(x))
+    return parts
+
+
+def _all_reduce_sum(x: Tensor, ranks: _Ranks, op: str) -> Tensor:
+    x = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=ranks.group)
+    _record(op, 2 * (ranks.world - 1) * _nbytes(x) // ranks.world)
+    return x
+
+
+def _send(x: Tensor, peer: int, ranks: _Ranks, op: str) -> None:
+    x = x.contiguous()
+    dist.send(x, dst=ranks.global_rank(peer), group=ranks.group)
+    _record(op, _nbytes(x))
+
+
+def _recv(like: Tensor, peer: int, ranks: _Ranks) -> Tensor:
+    buf = torch.empty_like(like, memory_format=torch.contiguous_format)
+    dist.recv(buf, src=ranks.global_rank(peer), group=ranks.group)
+    return buf
+
+
+# Columns of the handshake table: one row of small integers per rank.
+_FIELDS = ("failed", "batch", "heads", "head_dim", "value_dim", "features M", "causal", "normalize",
+           "state_exchange", "dtype", "seq_q", "seq_k")
+_MUST_AGREE = _FIELDS[1:10]
+
+
+def _handshake(ranks: _Ranks, fields: Optional[tuple[int, ...]], error: Optional[BaseException],
+               caller: str) -> list[list[int]]:
+    """All-gather every rank's shapes and flags (or a failure flag) before any real communication.
+
+    A rank whose own checks failed re-raises its error; the others raise a ValueError naming
+    it; ranks that disagree all raise the same ValueError. No rank is left waiting in a
+    collective that another rank never entered.
+    """
+    row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0, *fields]
+    parts = _all_gather(torch.tensor(row, dtype=torch.int64, device=ranks.device()), ranks, "handshake")
+    table = [part.tolist() for part in parts]
+    if error is not None:
+        raise error
+    failed = [r for r, values in enumerate(table) if values[0]]
+    if failed:
+        raise ValueError(
+            f"{caller}: rank(s) {failed} rejected their inputs (the error is raised on those ranks); "
+            "nothing was computed on this rank"
+        )
+    columns = [i for i, name in enumerate(_FIELDS) if name in _MUST_AGREE]
+    differ = [_FIELDS[i] for i in columns if len({values[i] for values in table}) > 1]
+    if differ:
+        def describe(r: int) -> str:
+            shown = ", ".join(f"{_FIELDS[i]}={_decode(_FIELDS[i], table[r][i])}" for i in columns)
+            return f"rank {r}: {shown}"
+
+        raise ValueError(
+            f"{caller}: every rank must hold a slice of the same batch, heads and dims; the ranks "
+            f"disagree on {', '.join(differ)} (only the sequence length may differ): "
+            + "; ".join(describe(r) for r in range(ranks.world))
+        )
+    return table
+
+
+def _decode(name: str, value: int):
+    if name == "dtype":
+        return _DTYPES[value]
+    if name == "state_exchange":
+        return STATE_EXCHANGES[value]
+    if name in ("causal", "normalize"):
+        return bool(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Sequence-parallel linear attention
+# ---------------------------------------------------------------------------------------
+
+
+def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, None] = "elu+1",
+                key_padding_mask: Optional[Tensor] = None) -> LinearAttentionState:
+    """The state contributed by one slice of keys and values: ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)``.
+
+    Katharopoulos et al. (2020), eq. 18, summed over the slice instead of a prefix. The
+    state of a whole sequence is the sum of its slices' states, in any grouping: that
+    associativity is what lets ranks exchange states instead of keys and values.
+
+    Parameters
+    ----------
+    k : Tensor
+        ``(B, H, T, D)`` keys of the slice, floating point.
+    v : Tensor
+        ``(B, H, T, Dv)`` values, same dtype and device.
+    feature_map : str, callable or None
+        φ, as in :func:`linattn.linear_attention`.
+    key_padding_mask : Tensor, optional
+        ``(B, T)`` bool, True for real tokens; padded keys contribute nothing.
+
+    Returns
+    -------
+    LinearAttentionState
+        ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)`` in float32 (float64 for float64
+        inputs), differentiable with respect to ``k``, ``v`` and φ's parameters.
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a bad feature map.
+    ValueError
+        Wrong ranks, ``k`` and ``v`` that disagree on batch, heads or length, a mask of the
+        wrong shape.
+    """
+    layout = "(batch, heads, seq, dim)"
+    _checks.check_tensor(k, "k", 4, layout)
+    _checks.check_tensor(v, "v", 4, layout)
+    _checks.check_same_kind({"k": k, "v": v})
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must share batch, heads and seq (dims 0-2), got k {_checks.shape_str(k.shape)} "
+            f"and v {_checks.shape_str(v.shape)}"
+        )
+    _checks.check_key_padding_mask(key_padding_mask, k)
+    acc = _checks.accumulation_dtype(k.dtype)
+    phi = resolve_feature_map(feature_map)
+    k_acc, v_acc = k.to(acc), v.to(acc)
+    phi_k = k_acc if phi is None else phi(k_acc)                       # (B, H, T, M)
+    _checks.check_features(phi_k, k_acc, "k")
+    phi_k = phi_k.to(acc)
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :, None]
+        phi_k, v_acc = torch.where(keep, phi_k, 0.0), torch.where(keep, v_acc, 0.0)
+    return LinearAttentionState(phi_k.transpose(-1, -2) @ v_acc,       # (B, H, M, Dv)
+                                phi_k.sum(dim=-2))                     # (B, H, M)
+
+
+def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
+    """``Σ_{s < rank} local_s``: all-gather every state, or receive the running sum from the left."""
+    if exchange == "allgather":
+        incoming = torch.zeros_like(local)
+        for part in _all_gather(local, ranks, op)[: ranks.rank]:
+            incoming += part
+        return incoming
+    incoming = torch.zeros_like(local) if ranks.rank == 0 else _recv(local, ranks.rank - 1, ranks)
+    if ranks.rank < ranks.world - 1:
+        _send(incoming + local, ranks.rank + 1, ranks, op)
+    return incoming
+
+
+def _exclusive_suffix(grad: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
+    """``Σ_{s > rank} grad_s``, added from the last rank down (the same order in both exchanges)."""
+    if exchange == "allgather":
+        later = torch.zeros_like(grad)
+        for part in reversed(_all_gather(grad, ranks, op)[ranks.rank + 1:]):
+            later += part
+        return later
+    last = ranks.world - 1
+    later = torch.zeros_like(grad) if ranks.rank == last else _recv(grad, ranks.rank + 1, ranks)
+    if ranks.rank > 0:
+        _send(later + grad, ranks.rank - 1, ranks, op)
+    return later
+
+
+class _PrefixOverRanks(torch.autograd.Function):
+    """Forward: the state of all earlier ranks. Backward: the incoming-state gradients of all later ranks.
+
+    Rank ``r`` returns ``X_r = Σ_{s<r} L_s``. Since ``L_r`` enters ``X_s`` for every ``s > r``,
+    ``∂loss/∂L_r = Σ_{s>r} ∂loss/∂X_s``: the backward is the same exchange run the other way.
+    """
+
+    @staticmethod
+    def forward(ctx, local: Tensor, ranks: _Ranks, exchange: str) -> Tensor:
+        ctx.ranks, ctx.exchange = ranks, exchange
+        return _exclusive_prefix(local, ranks, exchange, "state")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _exclusive_suffix(grad.contiguous(), ctx.ranks, ctx.exchange, "state_grad"), None, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: ``Σ_s L_s`` (all-reduce). Backward: every rank's output gradient summed (all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, ranks: _Ranks) -> Tensor:
+        ctx.ranks = ranks
+        return _all_reduce_sum(local, ranks, "state")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce_sum(grad, ctx.ranks, "state_grad"), None
+
+
+def sequence_parallel_linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group=None,
+    *,
+    feature_map: Union[str, FeatureMap, None] = "elu+1",
+    causal: bool = False,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    method: str = "auto",
+    chunk_size: int = 64,
+    key_padding_mask: Optional[Tensor] = None,
+    state_exchange: str = "allgather",
+    return_state: bool = False,
+) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
+    """Linear attention over a sequence split across the ranks of a process group.
+
+    Rank ``r`` of ``P`` holds the ``r``-th contiguous slice of the sequence (slices may have
+    different lengths, down to one token). With ``L_r = local_state(k_r, v_r)`` (an
+    ``M × (Dv + 1)`` state per head, normaliser included):
+
+    - causal: rank ``r`` starts its local chunkwise pass from ``Σ_{s<r} L_s``, an exclusive
+      prefix over ranks (Sun et al., 2024, LASP, sec. 3.2; Katharopoulos et al., 2020,
+      eq. 9 split at slice boundaries);
+    - non-causal: every query reads ``Σ_s L_s``, one all-reduce (eq. 5).
+
+    The output equals :func:`linattn.linear_attention` on the concatenated sequence, sliced
+    to this rank, and so do the gradients: the exchange is a ``torch.autograd.Function``
+    whose backward sends the gradients of the incoming states back to the earlier ranks
+    (causal) or all-reduces them (non-causal). Every rank must call this function with the
+    same options and, when training, call ``backward`` on a loss that uses the output.
+
+    Parameters
+    ----------
+    q : Tensor
+        ``(B, H, Tq, D)``, this rank's queries.
+    k : Tensor
+        ``(B, H, Tk, D)``, this rank's keys (``Tk == Tq`` when causal).
+    v : Tensor
+        ``(B, H, Tk, Dv)``, this rank's values.
+    group : torch.distributed.ProcessGroup, optional
+        The ranks that share the sequence, in sequence order; the default group if None.
+    feature_map, causal, normalize, eps, method, chunk_size, key_padding_mask
+        As in :func:`linattn.linear_attention`, applied to this rank's slice (``method``
+        and ``chunk_size`` choose the local algorithm; the mask is ``(B, Tk)`` for the slice).
+        A feature map with parameters must hold the same parameters on every rank.
+    state_exchange : str
+        Causal only: ``"allgather"`` (each rank gathers every rank's state and sums those to
+        its left: one collective, ``(P-1)·s`` bytes sent per rank in a ring all-gather) or
+        ``"ring"`` (rank ``r`` receives the running sum from ``r - 1`` and sends it on:
+        ``s`` bytes per rank, but ``P - 1`` hops one after the other). Chapter 11 measures
+        both. Ignored (but checked) when ``causal=False``.
+    return_state : bool
+        Also return a state: causal, the state after this rank's last token (on the last
+        rank, the state of the whole sequence); non-causal, the state of the whole sequence.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, Tq, Dv)`` in the dtype of ``q``.
+    state : LinearAttentionState
+        Only if ``return_state``: float32 (float64 for float64 inputs). States are also
+        exchanged in this dtype, so half inputs send float32 states.
+
+    Raises
+    ------
+    RuntimeError
+        If torch.distributed is not initialised.
+    TypeError
+        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup.
+    ValueError
+        As :func:`linattn.linear_attention`; an unknown ``state_exchange``; ranks that
+        disagree on batch, heads, dims, features, dtype or options (raised on every rank,
+        after one small all-gather, so no rank hangs); on the other ranks, when one rank's
+        inputs are invalid.
+
+    Notes
+    -----
+    Communication per call and rank: one all-gather of ``P`` rows of 12 int64 (the shape
+    check), then the state, ``B·H·M·(Dv + 1)`` numbers, independent of the sequence length;
+    the backward sends as much again. ``initial_state`` is not supported.
+    """
+    caller = "sequence_parallel_linear_attention"
+    ranks = _ranks(group, caller)
+    fields, error = None, None
+    try:
+        _checks.check_qkv(q, k, v, causal=causal)
+        causal = _checks.check_bool(causal, "causal")
+        normalize = _checks.check_bool(normalize, "normalize")
+        return_state = _checks.check_bool(return_state, "return_state")
+        _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
+        _checks.check_chunk_size(chunk_size)
+        _resolve_method(method, causal)
+        if state_exchange not in STATE_EXCHANGES:
+            raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES}, got {state_exchange!r}")
+        local = local_state(k, v, feature_map=feature_map, key_padding_mask=key_padding_mask)
+        B, H, Tq, D = q.shape
+        M, Dv = local.S.shape[-2:]
+        fields = (B, H, D, Dv, M, int(causal), int(normalize), STATE_EXCHANGES.index(state_exchange),
+                  _DTYPES.index(q.dtype), Tq, k.shape[2])
+    except Exception as err:  # reported to the other ranks by the handshake, raised here after it
+        error = err
+    _handshake(ranks, fields, error, caller)
+
+    local_aug = local.augmented()                                              # (B, H, M, Dv + 1)
+    if causal:
+        incoming = _PrefixOverRanks.apply(local_aug, ranks, state_exchange)    # Σ_{s<r} L_s
+    else:
+        incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
+    return linear_attention(
+        q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, eps=eps, method=method,
+        chunk_size=chunk_size, key_padding_mask=key_padding_mask,
+        initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
+
+
+# ---------------------------------------------------------------------------------------
+# Ring attention: the softmax baseline
+# ---------------------------------------------------------------------------------------
+
+
+def _circulate(block: Tensor, ranks: _Ranks, sizes: list[int]) -> Iterator[tuple[int, Tensor]]:
+    """Yield ``(source rank, block)`` for every rank's block, passing blocks around the ring.
+
+    At step ``t`` rank ``r`` holds the block of rank ``r - t`` (mod P); while the caller works
+    on it, the block is sent to ``r + 1`` and the next one received from ``r - 1``
+    (``isend``/``irecv``, so the transfer overlaps the work). ``sizes`` are the ranks'
+    sequence lengths (dim 2). The generator must be run to the end.
+    """
+    rank, world = ranks.rank, ranks.world
+    for step in range(world):
+        src = (rank - step) % world
+        requests, incoming = [], None
+        if step < world - 1:
+            shape = list(block.shape)
+            shape[2] = sizes[(rank - step - 1) % world]
+            incoming = block.new_empty(shape)
+            requests = [dist.isend(block, dst=ranks.global_rank((rank + 1) % world), group=ranks.group),
+                        dist.irecv(incoming, src=ranks.global_rank((rank - 1) % world), group=ranks.group)]
+            _record("kv", _nbytes(block))
+        yield src, block
+        for request in requests:
+            request.wait()
+        block = incoming
+
+
+def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool = False,
+                           scale: Optional[float] = None) -> Tensor:
+    """Softmax attention over a sequence split across ranks, by passing key/value blocks around a ring.
+
+    Ring attention (Liu, Zaharia & Abbeel, 2023, sec. 3): in ``P`` steps every rank sees the
+    ``K, V`` block of every rank and folds it into its output with the online softmax
+    (Milakov & Gimelshein, 2018): a running row maximum ``m``, normaliser ``l`` and
+    unnormalised output ``o``, rescaled by ``exp(m_old - m_new)`` as blocks arrive. When
+    causal, blocks of later ranks are skipped (but still passed on) and a rank's own block
+    is masked with ``tril``. Each rank sends ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)``
+    numbers for equal slices, linear in ``T``.
+
+    This is the baseline for chapter 11: forward only (no backward pass), and each step
+    forms the full ``(B, H, Tq, T_block)`` score block.
+
+    Parameters
+    ----------
+    q : Tensor
+        ``(B, H, Tq, D)``, this rank's queries.
+    k : Tensor
+        ``(B, H, Tk, D)``, this rank's keys (``Tk == Tq`` when causal).
+    v : Tensor
+        ``(B, H, Tk, Dv)``, this rank's values.
+    group : torch.distributed.ProcessGroup, optional
+        The ranks that share the sequence, in sequence order; the default group if None.
+    causal : bool
+        Query ``i`` sees keys ``j <= i`` of the whole sequence.
+    scale : float, optional
+        Multiplies the scores; default ``1/sqrt(D)``.
+
+    Returns
+    -------
+    Tensor
+        ``(B, H, Tq, Dv)`` in the dtype of ``q`` (float32 arithmetic for half inputs),
+        equal to :func:`linattn.softmax_attention` on the concatenated sequence, sliced.
+        It does not require grad.
+
+    Raises
+    ------
+    RuntimeError
+        If torch.distributed is not initialised; if an input requires grad while grad mode
+        is on (there is no backward pass; wrap the call in ``torch.no_grad()``).
+    TypeError, ValueError
+        As :func:`linattn.softmax_attention`; ranks that disagree on batch, heads, dims or
+        dtype (raised on every rank).
+    """
+    caller = "ring_softmax_attention"
+    ranks = _ranks(group, caller)
+    fields, error = None, None
+    try:
+        _checks.check_qkv(q, k, v, causal=causal)
+        causal = _checks.check_bool(causal, "causal")
+        acc = _checks.accumulation_dtype(q.dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _checks.check_positive_float(scale, "scale", acc)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise RuntimeError(f"{caller} has no backward pass: call it under torch.no_grad()")
+        B, H, Tq, D = q.shape
+        fields = (B, H, D, v.shape[-1], 0, int(causal), 0, 0, _DTYPES.index(q.dtype), Tq, k.shape[2])
+    except Exception as err:
+        error = err
+    table = _handshake(ranks, fields, error, caller)
+    sizes = [row[_FIELDS.index("seq_k")] for row in table]
+
+    q_acc = q.to(acc) * scale                                     # (B, H, Tq, D)
+    m = q_acc.new_full((*q.shape[:3], 1), -math.inf)              # running row maximum
+    l = q_acc.new_zeros((*q.shape[:3], 1))                        # running normaliser
+    o = q_acc.new_zeros((*q.shape[:3], v.shape[-1]))              # running unnormalised output
+    kv = torch.cat([k, v], dim=-1).contiguous()                   # (B, H, Tk, D + Dv): what travels
+    for src, block in _circulate(kv, ranks, sizes):
+        if causal and src > ranks.rank:
+            continue                                              # later tokens: invisible
+        k_b, v_b = block[..., :D].to(acc), block[..., D:].to(acc)
+        scores = q_acc @ k_b.transpose(-1, -2)                    # (B, H, Tq, T_src)
+        if causal and src == ranks.rank:
+            scores = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool).tril(), -math.inf)
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        p = torch.exp(scores - m_new)
+        rescale = torch.exp(m - m_new)
+        l = l * rescale + p.sum(dim=-1, keepdim=True)
+        o = o * rescale + p @ v_b
+        m = m_new
+    return (o / l).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Running a function on P local processes
+# ---------------------------------------------------------------------------------------
+
+
+class RankError(RuntimeError):
+    """A function run by :func:`run_on_ranks` raised on one or more ranks.
+
+    Attributes
+    ----------
+    failures : dict
+        ``rank -> (exception type name, message, formatted traceback)``.
+    """
+
+    def __init__(self, failures: dict[int, tuple[str, str, str]]):
+        self.failures = failures
+        lines = [f"rank {r} raised {name}: {message}" for r, (name, message, _) in sorted(failures.items())]
+        first = min(failures)
+        super().__init__("\n".join(lines) + f"\n\ntraceback on rank {first}:\n{failures[first][2]}")
+
+
+def _loopback_interface() -> str:
+    """The name of the loopback network interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return names[0] if names else "lo"
+
+
+def _child(rank: int, world_size: int, port: int, result_dir: str, fn: Callable, args: tuple,
+           timeout: float, threads: int, backend: str) -> None:
+    """Entry point of one spawned rank: join the process group, run ``fn``, write the result to a file."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    torch.set_num_threads(threads)
+    delta = datetime.timedelta(seconds=timeout)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=delta)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
+        try:
+            record = ("ok", fn(*args))
+        finally:
+            dist.destroy_process_group()
+        payload = pickle.dumps(record)
+    except BaseException as err:  # reported to the parent, which raises RankError
+        payload = pickle.dumps(("error", (type(err).__name__, str(err), traceback.format_exc())))
+    path = os.path.join(result_dir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
+        f.write(payload)
+    os.replace(path + ".part", path)   # the parent only ever sees complete files
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, threads: int = 1,
+                 backend: str = "gloo") -> list:
+    """Run ``fn(*args)`` on ``world_size`` new processes that form one process group; return their results.
+
+    The parent starts a ``torch.distributed.TCPStore`` on 127.0.0.1, port 0 (the OS picks a
+    free port and the store keeps it bound, so no other program can take it), spawns the
+    ranks with ``torch.multiprocessing`` (start method "spawn"), and each rank calls
+    ``init_process_group(backend, store=..., rank=r, world_size=P)`` with ``timeout``, so a
+    collective that cannot complete raises instead of hanging. Gloo uses the loopback
+    interface (``GLOO_SOCKET_IFNAME``, unless already set). Every rank destroys its process
+    group when ``fn`` returns or raises; the parent terminates ranks still running at the
+    deadline, or a few seconds after another rank failed.
+
+    Parameters
+    ----------
+    fn : callable
+        A module-level function of an importable module (spawned processes import it by
+        name: functions defined in a notebook or a lambda cannot be used). Inside it,
+        ``torch.distributed.get_rank()`` tells the rank. Its result must be picklable.
+    world_size : int
+        Number of processes ``P >= 1``.
+    *args
+        Passed to ``fn`` on every rank (picklable).
+    timeout : float
+        Seconds for the whole run, start-up included, and for each collective.
+    threads : int
+        ``torch.set_num_threads`` in each rank.
+    backend : str
+        ``"gloo"`` (CPU). ``"nccl"`` needs one GPU per rank and ``fn`` choosing its device.
+
+    Returns
+    -------
+    list
+        ``[result of rank 0, ..., result of rank P-1]``.
+
+    Raises
+    ------
+    TypeError
+        ``fn`` not an importable module-level function; non-int sizes.
+    ValueError
+        ``world_size < 1``, ``threads < 1``, a non-positive ``timeout``.
+    RankError
+        ``fn`` raised on some rank (message, type name and traceback of every failed rank),
+        or a rank died without a result.
+    TimeoutError
+        Some rank did not finish within ``timeout`` seconds.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if not callable(fn) or "<" in qualname or module is None or (
+            module.__name__ == "__main__" and not getattr(module, "__file__", None)):
+        raise TypeError(
+            f"fn must be a module-level function of an importable module (the spawned ranks import it "
+            f"by name), got {fn!r}; move it into a .py file"
+        )
+    world_size = _checks.check_positive_int(world_size, "world_size")
+    threads = _checks.check_positive_int(threads, "threads")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="linattn_ranks_") as result_dir:
+        procs = [ctx.Process(target=_child, daemon=True,
+                             args=(r, world_size, store.port, result_dir, fn, args, float(timeout), threads, backend))
+                 for r in range(world_size)]
+        results: dict[int, tuple] = {}
+        stopped: set[int] = set()   # ranks this function had to terminate
+        started = []
+        try:
+            for p in procs:
+                p.start()
+                started.append(p)
+            _collect(procs, result_dir, results, time.monotonic() + timeout)
+        finally:
+            for r, p in enumerate(started):
+                if p.is_alive():
+                    stopped.add(r)
+                    p.terminate()
+            for p in started:
+                p.join(5.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    del store
+    failures = {r: payload for r, (status, payload) in results.items() if status == "error"}
+    for r, p in enumerate(procs):
+        if r not in results and r not in stopped:
+            failures[r] = ("ProcessExit", f"the process exited with code {p.exitcode} without a result", "")
+    if failures:
+        raise RankError(failures)
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise TimeoutError(f"run_on_ranks: rank(s) {missing} of {world_size} did not finish within {timeout} s")
+    return [results[r][1] for r in range(world_size)]
+
+
+def _collect(procs: list, result_dir: str, results: dict, deadline: float, grace: float = 3.0) -> None:
+    """Read the ranks' result files until all are in, the deadline passes, or ``grace`` s after a failure."""
+    stop_at = deadline
+    while len(results) < len(procs) and time.monotonic() < stop_at:
+        for r, p in enumerate(procs):
+            path = os.path.join(result_dir, f"rank{r}.pkl")
+            if r not in results and os.path.exists(path):
+                with open(path, "rb") as f:
+                    results[r] = pickle.loads(f.read())
+                if results[r][0] == "error":
+                    stop_at = min(stop_at, time.monotonic() + grace)   # peers may wait on the failed rank
+            elif r not in results and p.exitcode is not None and not os.path.exists(path):
+                stop_at = min(stop_at, time.monotonic() + grace)       # died without a result
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring time and bytes (chapter 11)
+# ---------------------------------------------------------------------------------------
+
+_CASE_DEFAULTS = dict(batch=1, heads=2, head_dim=16, causal=True, state_exchange="allgather",
+                      dtype="float32", backward=False, communication_only=False, repeats=None)
+
+
+def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: int = 3,
+                              timeout: float = 300.0, threads: int = 1) -> list[dict]:
+    """Time sequence-parallel attention on ``world_size`` CPU processes (gloo) and count the bytes sent.
+
+    Each case is a dict with ``kind`` (``"linear"``: :func:`sequence_parallel_linear_attention`
+    with ``feature_map="elu+1"``; ``"softmax"``: :func:`ring_softmax_attention`) and ``T``
+    (the whole sequence, split into contiguous slices whose lengths differ by at most one),
+    plus optional ``batch`` (1), ``heads`` (2), ``head_dim`` (16, also ``Dv``), ``causal``
+    (True), ``state_exchange`` ("allgather"), ``dtype`` ("float32"), ``backward`` (False;
+    linear only: time forward + backward of ``out.sum()``) and ``communication_only``
+    (False: time only the exchange, the state's for linear or the ring pass of the K, V
+    blocks for softmax, with no attention arithmetic) and ``repeats`` (this case's number of
+    timed calls; default the ``repeats`` argument). All cases run in one process group,
+    so the start-up (several seconds) is paid once.
+
+    Parameters
+    ----------
+    world_size : int
+        Number of processes ``P``.
+    cases : list of dict
+        The configurations, run in order.
+    repeats : int
+        Timed calls per case after one warm-up call.
+    timeout : float
+        Seconds for the whole measurement.
+    threads : int
+        Intra-op threads per process.
+
+    Returns
+    -------
+    list of dict
+        One per case: the case's settings, ``world_size``, ``seconds`` (median over the
+        repeats of the slowest rank's time, in seconds) and ``bytes_sent`` and
+        ``handshake_bytes`` (lists, one int per rank: bytes of one call, all operations /
+        the shape check only, as :class:`ByteCounter` counts them).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad cases (unknown keys or kinds, non-positive sizes) or arguments.
+    RankError, TimeoutError
+        As :func:`run_on_ranks`.
+    """
+    full = []
+    for case in cases:
+        unknown = set(case) - set(_CASE_DEFAULTS) - {"kind", "T"}
+        if unknown or "kind" not in case or "T" not in case:
+            raise ValueError(f"each case needs 'kind' and 'T' and may set {sorted(_CASE_DEFAULTS)}, got {case}")
+        if case["kind"] not in ("linear", "softmax"):
+            raise ValueError(f"case kind must be 'linear' or 'softmax', got {case['kind']!r}")
+        if case["kind"] == "softmax" and case.get("backward"):
+            raise ValueError("ring_softmax_attention has no backward pass: backward=True needs kind 'linear'")
+        if _checks.check_positive_int(case["T"], "T") < world_size:
+            raise ValueError(f"T={case['T']} must be at least world_size={world_size} (one token per rank)")
+        full.append({**_CASE_DEFAULTS, **case})
+    repeats = _checks.check_positive_int(repeats, "repeats")
+    for case in full:
+        case["repeats"] = _checks.check_positive_int(case["repeats"] or repeats, "repeats")
+    return run_on_ranks(_measure_worker, world_size, full, timeout=timeout, threads=threads)[0]
+
+
+def _slice_lengths(T: int, world: int) -> list[int]:
+    """Contiguous slices whose lengths differ by at most one (the first ``T mod P`` are longer)."""
+    return [T // world + (r < T % world) for r in range(world)]
+
+
+def _measure_worker(cases: list[dict]) -> list[dict]:
+    """Run on every rank by :func:`measure_sequence_parallel`; rank 0's return value is the result."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = _Ranks(None, rank, world)
+    records = []
+    for i, case in enumerate(cases):
+        call = _measured_call(case, rank, world, ranks, seed=1000 * i + rank)
+        with count_bytes() as counter:
+            call()                                                     # warm-up, and the byte count
+        times = []
+        for _ in range(case["repeats"]):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)             # the slowest rank sets the pace
+            times.append(elapsed.item())
+        counts = torch.tensor([counter.bytes_sent, counter.by_op().get("handshake", 0)], dtype=torch.int64)
+        parts = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(parts, counts)
+        records.append({**case, "world_size": world, "seconds": statistics.median(times),
+                        "bytes_sent": [int(p[0]) for p in parts], "handshake_bytes": [int(p[1]) for p in parts]})
+    return records
+
+
+def _measured_call(case: dict, rank: int, world: int, ranks: _Ranks, seed: int) -> Callable[[], object]:
+    """The call that :func:`_measure_worker` times for one case, on this rank's slice."""
+    T_local = _slice_lengths(case["T"], world)[rank]
+    B, H, D = case["batch"], case["heads"], case["head_dim"]
+    dtype = getattr(torch, case["dtype"])
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T_local, D, generator=g).to(dtype) for _ in range(3))
+    if case["kind"] == "linear" and case["communication_only"]:
+        state = local_state(k, v).augmented()                          # (B, H, M, Dv + 1)
+        if case["causal"]:
+            return lambda: _exclusive_prefix(state, ranks, case["state_exchange"], "state")
+        return lambda: _all_reduce_sum(state, ranks, "state")
+    if case["kind"] == "linear":
+        def linear():
+            with torch.set_grad_enabled(case["backward"]):
+                qq, kk, vv = (x.detach().requires_grad_(case["backward"]) for x in (q, k, v))
+                out = sequence_parallel_linear_attention(qq, kk, vv, causal=case["causal"],
+                                                         state_exchange=case["state_exchange"])
+                if case["backward"]:
+                    out.sum().backward()
+        return linear
+    if case["communication_only"]:
+        sizes = _slice_lengths(case["T"], world)
+        kv = torch.cat([k, v], dim=-1)
+        return lambda: [block for _, block in _circulate(kv, ranks, sizes)]
+    return lambda: ring_softmax_attention(q, k, v, causal=case["causal"])

@@ -1,0 +1,385 @@
+"""Sequence-parallel attention over torch.distributed, on 1, 2 and 4 CPU processes (gloo, 127.0.0.1).
+
+Starting a process costs seconds (it imports torch), so each world size is spawned once: the
+ranks run every case of ``CASES[P]`` in one process group (``_worker``) and return their
+local outputs and gradients; the tests compare them here with single-process float64 runs of
+``linear_attention`` / ``softmax_attention`` on the concatenated sequence.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import linattn
+from linattn.distributed import (RankError, count_bytes, local_state, measure_sequence_parallel, ring_softmax_attention,
+                                 run_on_ranks, sequence_parallel_linear_attention)
+
+B, H, D, DV = 2, 3, 4, 5
+M = D  # elu+1 keeps the dimension
+TOL = 1e-12  # float64 throughout, relative to the largest reference value
+
+# name -> options. lengths: tokens per rank (queries and keys unless q_lengths is given).
+_LINEAR = {
+    "causal-norm-allgather": dict(lengths=None, causal=True, normalize=True, exchange="allgather"),
+    "causal-norm-ring": dict(lengths=None, causal=True, normalize=True, exchange="ring"),
+    "causal-unnorm-allgather": dict(lengths=None, causal=True, normalize=False, exchange="allgather"),
+    "causal-unnorm-ring": dict(lengths=None, causal=True, normalize=False, exchange="ring"),
+    "noncausal-norm": dict(lengths=None, causal=False, normalize=True, exchange="allgather"),
+    "noncausal-unnorm": dict(lengths=None, causal=False, normalize=False, exchange="ring"),
+}
+
+
+def _cases(lengths: list[int]) -> dict[str, dict]:
+    cases = {name: {**opts, "kind": "linear", "lengths": lengths} for name, opts in _LINEAR.items()}
+    for causal in (True, False):
+        tag = "causal" if causal else "noncausal"
+        cases[f"softmax-{tag}"] = dict(kind="softmax", lengths=lengths, causal=causal)
+    return cases
+
+
+CASES = {
+    1: {**_cases([7]), "mask": dict(kind="linear", lengths=[7], causal=True, normalize=True, exchange="ring",
+                                     mask=True)},
+    2: {
+        **_cases([5, 7]),
+        "mismatch-heads": dict(kind="mismatch", lengths=[4, 4], field="heads"),
+        "one-token-causal": dict(kind="linear", lengths=[1, 9], causal=True, normalize=True, exchange="ring"),
+        "one-token-noncausal": dict(kind="linear", lengths=[9, 1], causal=False, normalize=True,
+                                    exchange="allgather"),
+        "invalid-on-rank-1": dict(kind="invalid", lengths=[4, 4]),
+        "mask-causal": dict(kind="linear", lengths=[6, 5], causal=True, normalize=True, exchange="allgather",
+                            mask=True),
+        "mask-noncausal": dict(kind="linear", lengths=[6, 5], causal=False, normalize=True,
+                               exchange="allgather", mask=True),
+        "cross-attention": dict(kind="linear", lengths=[5, 7], q_lengths=[4, 2], causal=False, normalize=True,
+                                exchange="allgather"),
+        "mismatch-causal": dict(kind="mismatch", lengths=[4, 4], field="causal"),
+        "softmax-one-token": dict(kind="softmax", lengths=[1, 9], causal=True),
+        "softmax-mismatch-dv": dict(kind="mismatch", lengths=[4, 4], field="value_dim", softmax=True),
+        "return-state-causal": dict(kind="state", lengths=[5, 7], causal=True),
+        "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
+        "bfloat16": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
+                         dtype="bfloat16"),
+    },
+    4: {
+        **_cases([3, 1, 6, 4]),
+        "mismatch-value-dim": dict(kind="mismatch", lengths=[3, 3, 3, 3], field="value_dim"),
+        "after-mismatch": dict(kind="linear", lengths=[2, 5, 1, 3], causal=True, normalize=True, exchange="ring"),
+    },
+}
+
+
+def _inputs(name: str, case: dict):
+    """The whole sequence in float64, the same in every process (seeded by the case name, so that
+    the two exchanges of one configuration see the same numbers)."""
+    key = name.removesuffix("-ring").removesuffix("-allgather")
+    g = torch.Generator().manual_seed(sum(map(ord, key)))
+    Tk = sum(case["lengths"])
+    Tq = sum(case.get("q_lengths") or case["lengths"])
+    q = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, Tk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, Tk, DV, generator=g, dtype=torch.float64)
+    w = torch.randn(B, H, Tq, DV, generator=g, dtype=torch.float64)   # loss = Σ w ⊙ out
+    mask = torch.rand(B, Tk, generator=g) > 0.3 if case.get("mask") else None
+    return q, k, v, w, mask
+
+
+def _slice(lengths: list[int], rank: int) -> slice:
+    start = sum(lengths[:rank])
+    return slice(start, start + lengths[rank])
+
+
+def _local(name: str, case: dict, rank: int):
+    q, k, v, w, mask = _inputs(name, case)
+    sk = _slice(case["lengths"], rank)
+    sq = _slice(case.get("q_lengths") or case["lengths"], rank)
+    return q[:, :, sq], k[:, :, sk], v[:, :, sk], w[:, :, sq], None if mask is None else mask[:, sk]
+
+
+def _run_linear(name: str, case: dict, rank: int) -> dict:
+    q, k, v, w, mask = _local(name, case, rank)
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    with count_bytes() as counter:
+        out = sequence_parallel_linear_attention(
+            q, k, v, causal=case["causal"], normalize=case["normalize"], state_exchange=case["exchange"],
+            key_padding_mask=mask, chunk_size=4)
+        (out.double() * w).sum().backward()
+    return dict(out=out.detach(), grads=[x.grad for x in (q, k, v)], bytes=counter.by_op())
+
+
+def _run_mismatch(case: dict, rank: int) -> tuple[str, str]:
+    q, k, v, _, _ = _local("mismatch", case, rank)
+    causal = True
+    if rank == 1 and case["field"] == "heads":
+        q, k, v = (torch.cat([x, x[:, :1]], dim=1) for x in (q, k, v))
+    if rank == 1 and case["field"] == "value_dim":
+        v = v[..., :-1]
+    if rank == 1 and case["field"] == "causal":
+        causal = False
+    try:
+        if case.get("softmax"):
+            ring_softmax_attention(q, k, v, causal=causal)
+        else:
+            sequence_parallel_linear_attention(q, k, v, causal=causal)
+    except ValueError as err:
+        return ("ValueError", str(err))
+    return ("no error", "")
+
+
+def _run_invalid(case: dict, rank: int) -> tuple[str, str]:
+    q, k, v, _, _ = _local("invalid", case, rank)
+    if rank == 1:
+        q = q[0]                                              # 3-D: rejected by rank 1's own checks
+    try:
+        sequence_parallel_linear_attention(q, k, v, causal=True)
+    except ValueError as err:
+        return ("ValueError", str(err))
+    return ("no error", "")
+
+
+def _worker(cases: dict[str, dict]) -> dict:
+    """Runs on every rank: each case on this rank's slice; returns what the tests compare."""
+    rank = dist.get_rank()
+    results = {}
+    for name, case in cases.items():
+        if case["kind"] == "linear":
+            results[name] = _run_linear(name, case, rank)
+        elif case["kind"] == "softmax":
+            q, k, v, _, _ = _local(name, case, rank)
+            with count_bytes() as counter, torch.no_grad():
+                out = ring_softmax_attention(q, k, v, causal=case["causal"])
+            results[name] = dict(out=out, bytes=counter.by_op())
+        elif case["kind"] == "state":
+            q, k, v, _, _ = _local(name, case, rank)
+            _, state = sequence_parallel_linear_attention(q, k, v, causal=case["causal"], return_state=True)
+            results[name] = dict(S=state.S, z=state.z)
+        elif case["kind"] == "mismatch":
+            results[name] = _run_mismatch(case, rank)
+        else:
+            results[name] = _run_invalid(case, rank)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """``ranks(P)``: the per-rank results of ``_worker`` on P processes (spawned once per P)."""
+    cache = {}
+
+    def get(world_size: int) -> list[dict]:
+        if world_size not in cache:
+            cache[world_size] = run_on_ranks(_worker, world_size, CASES[world_size], timeout=100.0)
+        return cache[world_size]
+
+    return get
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = TOL) -> None:
+    scale = max(1.0, want.abs().max().item())
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+def _reference_linear(name: str, case: dict):
+    q, k, v, w, mask = _inputs(name, case)
+    if case.get("dtype") == "bfloat16":     # the distributed run saw bfloat16-rounded inputs
+        q, k, v = (x.bfloat16().double() for x in (q, k, v))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = linattn.linear_attention(q, k, v, causal=case["causal"], normalize=case["normalize"],
+                                   key_padding_mask=mask)
+    (out * w).sum().backward()
+    return out.detach(), [x.grad for x in (q, k, v)]
+
+
+LINEAR_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items() if c["kind"] == "linear"]
+
+
+@pytest.mark.parametrize("world_size,name", LINEAR_IDS, ids=[f"P{P}-{n}" for P, n in LINEAR_IDS])
+def test_outputs_and_gradients_equal_single_process(ranks, world_size, name):
+    case = CASES[world_size][name]
+    results = ranks(world_size)
+    out, grads = _reference_linear(name, case)
+    half = case.get("dtype") == "bfloat16"
+    tol = 2.0 ** -7 if half else TOL          # bfloat16: the output is rounded to 8 significant bits
+    q_lengths = case.get("q_lengths") or case["lengths"]
+    for rank, res in enumerate(results):
+        sq, sk = _slice(q_lengths, rank), _slice(case["lengths"], rank)
+        assert res[name]["out"].dtype == getattr(torch, case.get("dtype", "float64"))
+        _close(res[name]["out"], out[:, :, sq], f"rank {rank} output", tol)
+        for label, got, want in zip("qkv", res[name]["grads"], grads):
+            if not half:                          # (bfloat16 gradients are bfloat16 roundings of these)
+                _close(got, want[:, :, sq if label == "q" else sk], f"rank {rank} grad {label}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_and_allgather_exchanges_agree_bit_for_bit(ranks, world_size):
+    for rank, res in enumerate(ranks(world_size)):
+        for norm in ("norm", "unnorm"):
+            a, b = res[f"causal-{norm}-allgather"], res[f"causal-{norm}-ring"]
+            assert torch.equal(a["out"], b["out"]), f"rank {rank}"
+            assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
+
+
+SOFTMAX_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items() if c["kind"] == "softmax"]
+
+
+@pytest.mark.parametrize("world_size,name", SOFTMAX_IDS, ids=[f"P{P}-{n}" for P, n in SOFTMAX_IDS])
+def test_ring_softmax_equals_softmax_attention(ranks, world_size, name):
+    case = CASES[world_size][name]
+    q, k, v, _, _ = _inputs(name, case)
+    want = linattn.softmax_attention(q, k, v, causal=case["causal"])
+    for rank, res in enumerate(ranks(world_size)):
+        _close(res[name]["out"], want[:, :, _slice(case["lengths"], rank)], f"rank {rank}")
+
+
+def _state_nbytes() -> int:
+    return B * H * M * (DV + 1) * 8          # float64 state, normaliser column included
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_bytes_sent_match_the_analytic_counts(ranks, world_size):
+    P, s = world_size, _state_nbytes()
+    handshake = (P - 1) * 12 * 8
+    for rank, res in enumerate(ranks(world_size)):
+        assert res["causal-norm-allgather"]["bytes"] == (
+            {"handshake": handshake, "state": (P - 1) * s, "state_grad": (P - 1) * s} if P > 1 else
+            {"handshake": 0, "state": 0, "state_grad": 0})
+        ring = res["causal-norm-ring"]["bytes"]
+        assert ring.get("state", 0) == (s if rank < P - 1 else 0)          # forward: to the right
+        assert ring.get("state_grad", 0) == (s if rank > 0 else 0)         # backward: to the left
+        assert res["noncausal-norm"]["bytes"]["state"] == 2 * (P - 1) * s // P
+        lengths = CASES[P]["softmax-causal"]["lengths"]
+        passed = [lengths[(rank - step) % P] for step in range(P - 1)]     # the blocks this rank forwards
+        assert res["softmax-causal"]["bytes"].get("kv", 0) == sum(passed) * B * H * (D + DV) * 8
+
+
+@pytest.mark.parametrize("world_size,name,words", [
+    (2, "mismatch-heads", "heads"), (2, "mismatch-causal", "causal"),
+    (2, "softmax-mismatch-dv", "value_dim"), (4, "mismatch-value-dim", "value_dim")])
+def test_ranks_that_disagree_all_raise_a_clear_value_error(ranks, world_size, name, words):
+    for rank, res in enumerate(ranks(world_size)):
+        kind, message = res[name]
+        assert kind == "ValueError", f"rank {rank} got {kind}"
+        assert f"disagree on {words}" in message and "rank 0:" in message and "rank 1:" in message
+
+
+def test_a_rank_with_invalid_inputs_raises_its_own_error_and_the_others_name_it(ranks):
+    (kind0, msg0), (kind1, msg1) = (res["invalid-on-rank-1"] for res in ranks(2))
+    assert kind0 == kind1 == "ValueError"
+    assert "q must be 4-D" in msg1
+    assert "rank(s) [1] rejected their inputs" in msg0
+
+
+def test_the_group_still_works_after_a_mismatch(ranks):
+    case = CASES[4]["after-mismatch"]
+    out, _ = _reference_linear("after-mismatch", case)
+    for rank, res in enumerate(ranks(4)):
+        _close(res["after-mismatch"]["out"], out[:, :, _slice(case["lengths"], rank)], f"rank {rank}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_return_state(ranks, causal):
+    name = f"return-state-{'causal' if causal else 'noncausal'}"
+    q, k, v, _, _ = _inputs(name, CASES[2][name])
+    _, full = linattn.linear_attention(q, k, v, causal=causal, return_state=True)
+    _, first = linattn.linear_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], causal=True, return_state=True)
+    results = ranks(2)
+    for rank, res in enumerate(results):
+        want = first if (causal and rank == 0) else full
+        _close(res[name]["S"], want.S, f"rank {rank} S")
+        _close(res[name]["z"], want.z, f"rank {rank} z")
+
+
+# ---------------------------------------------------------------------------------------
+# In this process (no spawning)
+# ---------------------------------------------------------------------------------------
+
+
+def test_without_a_process_group_the_error_says_what_to_do():
+    assert not dist.is_initialized()
+    x = torch.randn(1, 1, 3, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sequence_parallel_linear_attention(x, x, x)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_softmax_attention(x, x, x)
+
+
+def test_local_state_is_the_state_linear_attention_returns():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, B, H, 9, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, 9, DV, generator=g, dtype=torch.float64)
+    mask = torch.rand(B, 9, generator=g) > 0.5
+    _, want = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=mask, return_state=True)
+    got = local_state(k, v, key_padding_mask=mask)
+    _close(got.S, want.S, "S")
+    _close(got.z, want.z, "z")
+    assert local_state(k.half(), v.half()).S.dtype == torch.float32
+    with pytest.raises(ValueError, match="share batch, heads and seq"):
+        local_state(k, v[:, :, :5])
+
+
+def _top_level(x):
+    return x
+
+
+def test_run_on_ranks_rejects_what_cannot_be_spawned():
+    with pytest.raises(TypeError, match="module-level function"):
+        run_on_ranks(lambda: 0, 2)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        run_on_ranks(_top_level, 0)
+    with pytest.raises(ValueError, match="timeout"):
+        run_on_ranks(_top_level, 1, timeout=-1.0)
+    with pytest.raises(ValueError, match="each case needs 'kind' and 'T'"):
+        measure_sequence_parallel(2, [dict(kind="linear")])
+    with pytest.raises(ValueError, match="no backward pass"):
+        measure_sequence_parallel(2, [dict(kind="softmax", T=8, backward=True)])
+
+
+# ---------------------------------------------------------------------------------------
+# The process machinery itself
+# ---------------------------------------------------------------------------------------
+
+
+def _fail_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()          # rank 0 waits for a peer that never comes
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_a_worker_exception_reaches_the_parent_and_the_blocked_peer_is_stopped():
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 raised ValueError: boom on rank 1") as info:
+        run_on_ranks(_fail_on_rank_1, 2, timeout=60.0)
+    assert 1 in info.value.failures
+    assert time.monotonic() - start < 45.0     # not the 60 s timeout: the waiting rank was stopped
+
+
+def test_a_rank_past_the_timeout_is_terminated():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\] of 1 did not finish within 3.0 s"):
+        run_on_ranks(_sleep, 1, 60.0, timeout=3.0)
+    assert time.monotonic() - start < 15.0
+
+
+def test_measure_sequence_parallel_counts_bytes_and_times():
+    T, P = 64, 2
+    records = measure_sequence_parallel(P, [
+        dict(kind="linear", T=T, causal=True, state_exchange="ring", backward=True),
+        dict(kind="linear", T=T, causal=True, communication_only=True),
+        dict(kind="softmax", T=T, causal=True),
+        dict(kind="softmax", T=T + 1, causal=True, communication_only=True),
+    ], repeats=1, timeout=60.0)
+    s = 1 * 2 * 16 * 17 * 4                     # float32 state of B=1, H=2, M=16, Dv+1=17
+    assert records[0]["bytes_sent"] == [96 + s, 96 + s] and records[0]["handshake_bytes"] == [96, 96]
+    assert records[1]["bytes_sent"] == [s, s]
+    kv = 1 * 2 * (16 + 16) * 4                  # bytes of one token's key and value
+    assert records[2]["bytes_sent"] == [96 + 32 * kv, 96 + 32 * kv]
+    assert records[3]["bytes_sent"] == [33 * kv, 32 * kv]   # slices of 33 and 32 tokens
+    assert all(r["seconds"] > 0 and r["world_size"] == P for r in records)
