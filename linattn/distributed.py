@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import math
 import numbers
 import os
 import pickle
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
 import traceback
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -83,7 +86,7 @@ class ByteCounter:
 
     For the collectives these are the textbook algorithms' counts, not gloo's or NCCL's
     wire traffic (their algorithm choice depends on the message size); for point-to-point
-    calls they are the payload exactly. Labels: ``"handshake"`` (the shape check),
+    calls they are the payload exactly. Labels: ``"handshake"`` (the check of shapes and options),
     ``"state"`` / ``"state_grad"`` (linear attention's forward / backward), ``"kv"`` (ring
     attention's key-value blocks).
     """
@@ -97,7 +100,7 @@ class ByteCounter:
         return sum(n for _, n in self.records)
 
     def by_op(self) -> dict[str, int]:
-        """Bytes per label, e.g. ``{"handshake": 96, "state": 2176}``."""
+        """Bytes per label, e.g. ``{"handshake": 120, "state": 2176}`` (two ranks)."""
         totals: dict[str, int] = {}
         for op, n in self.records:
             totals[op] = totals.get(op, 0) + n
@@ -203,21 +206,65 @@ def _recv(like: Tensor, peer: int, ranks: _Ranks) -> Tensor:
     return buf
 
 
-# Columns of the handshake table: one row of small integers per rank.
-_FIELDS = ("failed", "batch", "heads", "head_dim", "value_dim", "features M", "causal", "normalize",
-           "state_exchange", "dtype", "seq_q", "seq_k")
-_MUST_AGREE = _FIELDS[1:10]
+# Columns of the handshake table: one row of int64 per rank. Floats travel as their float64
+# bit pattern (compared exactly), the feature map as a 64-bit hash of its name.
+_FIELDS = ("failed", "batch", "heads", "head_dim", "value_dim", "features M", "causal", "normalize", "eps",
+           "feature_map", "scale", "state_exchange", "dtype", "seq_q", "seq_k")
+# The columns each function fills in; all of them must agree across ranks (the lengths may differ).
+_LINEAR_FIELDS = ("batch", "heads", "head_dim", "value_dim", "features M", "causal", "normalize", "eps",
+                  "feature_map", "state_exchange", "dtype")
+_SOFTMAX_FIELDS = ("batch", "heads", "head_dim", "value_dim", "causal", "scale", "dtype")
+_UNUSED = -1            # state_exchange when causal=False: not used, so not compared
+_NAME_BYTES = 200       # a feature map's name, as sent when the ranks disagree on it
 
 
-def _handshake(ranks: _Ranks, fields: Optional[tuple[int, ...]], error: Optional[BaseException],
-               caller: str) -> list[list[int]]:
-    """All-gather every rank's shapes and flags (or a failure flag) before any real communication.
+def _float_bits(x: float) -> int:
+    """The float64 bit pattern of ``x`` as a signed int64 (equal bits = equal floats)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
-    A rank whose own checks failed re-raises its error; the others raise a ValueError naming
-    it; ranks that disagree all raise the same ValueError. No rank is left waiting in a
-    collective that another rank never entered.
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+def _feature_map_name(phi: Optional[FeatureMap]) -> str:
+    """What identifies a resolved feature map across processes: a function's (or method's)
+    qualified name, or the class of any other callable (a module's parameters are not part of it)."""
+    if phi is None:
+        return "None (q and k are features)"
+    if isinstance(phi, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return f"{getattr(phi, '__module__', None) or '?'}.{phi.__qualname__}"
+    cls = type(phi)
+    return f"{cls.__module__}.{cls.__qualname__} instance"
+
+
+def _name_hash(name: str) -> int:
+    """A 64-bit hash of ``name`` that is the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _gather_names(name: str, ranks: _Ranks) -> list[str]:
+    """Every rank's ``name`` (UTF-8, cut to ``_NAME_BYTES`` bytes), by one all-gather."""
+    raw = name.encode()[:_NAME_BYTES]
+    buf = torch.zeros(_NAME_BYTES + 1, dtype=torch.uint8)
+    buf[0] = len(raw)
+    buf[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    parts = _all_gather(buf.to(ranks.device()), ranks, "handshake")
+    return [bytes(part[1:1 + int(part[0])].tolist()).decode(errors="replace") for part in parts]
+
+
+def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[BaseException],
+               caller: str, shown: tuple[str, ...], feature_map_name: str = "") -> list[list[int]]:
+    """All-gather every rank's shapes and options (or a failure flag) before any real communication.
+
+    ``fields`` maps column names of ``_FIELDS`` to ints (None if this rank's own checks
+    failed); the columns ``shown`` must agree across ranks. A rank whose checks failed
+    re-raises its error; the others raise a ValueError naming it; ranks that disagree all
+    raise the same ValueError (every rank sees the same table, so they all take the same
+    branch, including the second all-gather of feature-map names when those differ). No
+    rank is left waiting in a collective that another rank never entered.
     """
-    row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0, *fields]
+    row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0] + [fields.get(n, 0) for n in _FIELDS[1:]]
     parts = _all_gather(torch.tensor(row, dtype=torch.int64, device=ranks.device()), ranks, "handshake")
     table = [part.tolist() for part in parts]
     if error is not None:
@@ -228,29 +275,50 @@ def _handshake(ranks: _Ranks, fields: Optional[tuple[int, ...]], error: Optional
             f"{caller}: rank(s) {failed} rejected their inputs (the error is raised on those ranks); "
             "nothing was computed on this rank"
         )
-    columns = [i for i, name in enumerate(_FIELDS) if name in _MUST_AGREE]
+    columns = [_FIELDS.index(name) for name in shown]
     differ = [_FIELDS[i] for i in columns if len({values[i] for values in table}) > 1]
+    if "causal" in differ and "state_exchange" in differ:
+        differ.remove("state_exchange")          # unused on the non-causal ranks: a consequence
     if differ:
+        names = [feature_map_name] * ranks.world
+        if "feature_map" in differ:              # every rank is here: the table is the same on all
+            names = _gather_names(feature_map_name, ranks)
+
         def describe(r: int) -> str:
-            shown = ", ".join(f"{_FIELDS[i]}={_decode(_FIELDS[i], table[r][i])}" for i in columns)
-            return f"rank {r}: {shown}"
+            shown_r = ", ".join(f"{_FIELDS[i]}={_decode(_FIELDS[i], table[r][i], names[r])}" for i in columns)
+            return f"rank {r}: {shown_r}"
 
         raise ValueError(
-            f"{caller}: every rank must hold a slice of the same batch, heads and dims; the ranks "
-            f"disagree on {', '.join(differ)} (only the sequence length may differ): "
+            f"{caller}: every rank must hold a slice of the same batch, heads and dims and pass the same "
+            f"options; the ranks disagree on {', '.join(differ)} (only the sequence length may differ): "
             + "; ".join(describe(r) for r in range(ranks.world))
         )
     return table
 
 
-def _decode(name: str, value: int):
+def _decode(name: str, value: int, feature_map_name: str = ""):
     if name == "dtype":
         return _DTYPES[value]
     if name == "state_exchange":
-        return STATE_EXCHANGES[value]
+        return "unused (causal=False)" if value == _UNUSED else repr(STATE_EXCHANGES[value])
     if name in ("causal", "normalize"):
         return bool(value)
+    if name in ("eps", "scale"):
+        return repr(_bits_float(value))
+    if name == "feature_map":
+        return feature_map_name
     return value
+
+
+def _check_state_exchange(state_exchange) -> str:
+    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored)."""
+    if not isinstance(state_exchange, str):
+        raise TypeError(f"state_exchange must be a str, one of {STATE_EXCHANGES}, "
+                        f"got {type(state_exchange).__name__}")
+    key = state_exchange.strip().lower()
+    if key not in STATE_EXCHANGES:
+        raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES} (any case), got {state_exchange!r}")
+    return key
 
 
 # ---------------------------------------------------------------------------------------
@@ -401,8 +469,22 @@ def sequence_parallel_linear_attention(
     The output equals :func:`linattn.linear_attention` on the concatenated sequence, sliced
     to this rank, and so do the gradients: the exchange is a ``torch.autograd.Function``
     whose backward sends the gradients of the incoming states back to the earlier ranks
-    (causal) or all-reduces them (non-causal). Every rank must call this function with the
-    same options and, when training, call ``backward`` on a loss that uses the output.
+    (causal) or all-reduces them (non-causal). When training, every rank must call
+    ``backward`` on a loss that uses the output.
+
+    What the ranks must agree on. Before any state moves, the ranks all-gather one row of
+    15 int64 each and compare: batch, heads, ``D``, ``Dv``, ``M``, dtype, ``causal``,
+    ``normalize``, ``eps`` (exactly, as float64 bits), the feature map and, when causal,
+    ``state_exchange``. If any of them differs, every rank raises the same ValueError.
+    The feature map is compared by identity, not by value: a function by its qualified name
+    (a name such as ``"elu+1"`` counts as the function it names, so ``"elu+1"`` on one rank
+    and :func:`linattn.elu_plus_one` on another agree), any other callable by its class. A
+    feature map's parameters (a Performer projection, Hedgehog weights) are *not*
+    compared: they must be equal on every rank (same seed, or broadcast them). Free to
+    differ between ranks: the sequence lengths, ``key_padding_mask`` and ``return_state``
+    (local to each rank), ``method`` and ``chunk_size`` (they only choose how a rank
+    computes its own slice; the results agree up to rounding), and ``state_exchange`` when
+    ``causal=False``.
 
     Parameters
     ----------
@@ -417,13 +499,15 @@ def sequence_parallel_linear_attention(
     feature_map, causal, normalize, eps, method, chunk_size, key_padding_mask
         As in :func:`linattn.linear_attention`, applied to this rank's slice (``method``
         and ``chunk_size`` choose the local algorithm; the mask is ``(B, Tk)`` for the slice).
-        A feature map with parameters must hold the same parameters on every rank.
+        There is no ``initial_state``: rank 0 starts from zero.
     state_exchange : str
         Causal only: ``"allgather"`` (each rank gathers every rank's state and sums those to
-        its left: one collective, ``(P-1)·s`` bytes sent per rank in a ring all-gather) or
-        ``"ring"`` (rank ``r`` receives the running sum from ``r - 1`` and sends it on:
-        ``s`` bytes per rank, but ``P - 1`` hops one after the other). Chapter 11 measures
-        both. Ignored (but checked) when ``causal=False``.
+        its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
+        state of ``n`` bytes) or ``"ring"`` (rank ``r`` receives the running sum from
+        ``r - 1`` and sends it on: ``n`` bytes per rank, but ``P - 1`` hops one after the
+        other). Case and surrounding spaces are ignored, as for ``method``. Chapter 11
+        measures both. When ``causal=False`` it is not used: it must still be one of the
+        two names, but the ranks need not agree on it.
     return_state : bool
         Also return a state: causal, the state after this rank's last token (on the last
         rank, the state of the whole sequence); non-causal, the state of the whole sequence.
@@ -444,15 +528,16 @@ def sequence_parallel_linear_attention(
         As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup.
     ValueError
         As :func:`linattn.linear_attention`; an unknown ``state_exchange``; ranks that
-        disagree on batch, heads, dims, features, dtype or options (raised on every rank,
-        after one small all-gather, so no rank hangs); on the other ranks, when one rank's
-        inputs are invalid.
+        disagree on any of the values listed above under "What the ranks must agree on"
+        (raised on every rank, after one small all-gather, so no rank hangs; the message
+        shows every rank's values); on the other ranks, when one rank's inputs are invalid.
 
     Notes
     -----
-    Communication per call and rank: one all-gather of ``P`` rows of 12 int64 (the shape
-    check), then the state, ``B·H·M·(Dv + 1)`` numbers, independent of the sequence length;
-    the backward sends as much again. ``initial_state`` is not supported.
+    Communication per call and rank: one all-gather of ``P`` rows of 15 int64 (the check
+    above; a second small all-gather of names only when the feature maps differ), then the
+    state, ``B·H·M·(Dv + 1)`` numbers, independent of the sequence length; the backward
+    sends as much again.
     """
     caller = "sequence_parallel_linear_attention"
     ranks = _ranks(group, caller)
@@ -465,16 +550,20 @@ def sequence_parallel_linear_attention(
         _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
         _checks.check_chunk_size(chunk_size)
         _resolve_method(method, causal)
-        if state_exchange not in STATE_EXCHANGES:
-            raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES}, got {state_exchange!r}")
-        local = local_state(k, v, feature_map=feature_map, key_padding_mask=key_padding_mask)
+        state_exchange = _check_state_exchange(state_exchange)
+        phi = resolve_feature_map(feature_map)
+        feature_map_name = _feature_map_name(phi)
+        local = local_state(k, v, feature_map=phi, key_padding_mask=key_padding_mask)
         B, H, Tq, D = q.shape
         M, Dv = local.S.shape[-2:]
-        fields = (B, H, D, Dv, M, int(causal), int(normalize), STATE_EXCHANGES.index(state_exchange),
-                  _DTYPES.index(q.dtype), Tq, k.shape[2])
+        fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
+                  "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
+                  "feature_map": _name_hash(feature_map_name),
+                  "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
+                  "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
     except Exception as err:  # reported to the other ranks by the handshake, raised here after it
-        error = err
-    _handshake(ranks, fields, error, caller)
+        error, feature_map_name = err, ""
+    _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
 
     local_aug = local.augmented()                                              # (B, H, M, Dv + 1)
     if causal:
@@ -482,7 +571,7 @@ def sequence_parallel_linear_attention(
     else:
         incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
     return linear_attention(
-        q, k, v, feature_map=feature_map, causal=causal, normalize=normalize, eps=eps, method=method,
+        q, k, v, feature_map=phi, causal=causal, normalize=normalize, eps=eps, method=method,
         chunk_size=chunk_size, key_padding_mask=key_padding_mask,
         initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
 
@@ -560,8 +649,9 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
         If torch.distributed is not initialised; if an input requires grad while grad mode
         is on (there is no backward pass; wrap the call in ``torch.no_grad()``).
     TypeError, ValueError
-        As :func:`linattn.softmax_attention`; ranks that disagree on batch, heads, dims or
-        dtype (raised on every rank).
+        As :func:`linattn.softmax_attention`; ranks that disagree on batch, heads, dims,
+        dtype, ``causal`` or ``scale`` (compared exactly, as float64 bits, after the default
+        ``1/sqrt(D)`` is filled in); raised on every rank. Only the sequence lengths may differ.
     """
     caller = "ring_softmax_attention"
     ranks = _ranks(group, caller)
@@ -574,10 +664,11 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             raise RuntimeError(f"{caller} has no backward pass: call it under torch.no_grad()")
         B, H, Tq, D = q.shape
-        fields = (B, H, D, v.shape[-1], 0, int(causal), 0, 0, _DTYPES.index(q.dtype), Tq, k.shape[2])
+        fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": v.shape[-1], "causal": int(causal),
+                  "scale": _float_bits(scale), "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
     except Exception as err:
         error = err
-    table = _handshake(ranks, fields, error, caller)
+    table = _handshake(ranks, fields, error, caller, _SOFTMAX_FIELDS)
     sizes = [row[_FIELDS.index("seq_k")] for row in table]
 
     q_acc = q.to(acc) * scale                                     # (B, H, Tq, D)
@@ -612,14 +703,20 @@ class RankError(RuntimeError):
     Attributes
     ----------
     failures : dict
-        ``rank -> (exception type name, message, formatted traceback)``.
+        ``rank -> (exception type name, message, formatted traceback)``. A rank whose process
+        exited without reporting has the type name ``"ProcessExit"``, a message with its exit
+        code and an empty traceback.
     """
 
     def __init__(self, failures: dict[int, tuple[str, str, str]]):
         self.failures = failures
-        lines = [f"rank {r} raised {name}: {message}" for r, (name, message, _) in sorted(failures.items())]
-        first = min(failures)
-        super().__init__("\n".join(lines) + f"\n\ntraceback on rank {first}:\n{failures[first][2]}")
+        lines = [f"rank {r}: {message}" if name == "ProcessExit" else f"rank {r} raised {name}: {message}"
+                 for r, (name, message, _) in sorted(failures.items())]
+        text = "\n".join(lines)
+        with_tb = [r for r in sorted(failures) if failures[r][2]]
+        if with_tb:
+            text += f"\n\ntraceback on rank {with_tb[0]}:\n{failures[with_tb[0]][2]}"
+        super().__init__(text)
 
 
 def _loopback_interface() -> str:
@@ -681,7 +778,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
     threads : int
         ``torch.set_num_threads`` in each rank.
     backend : str
-        ``"gloo"`` (CPU). ``"nccl"`` needs one GPU per rank and ``fn`` choosing its device.
+        ``"gloo"`` (CPU) or ``"nccl"`` (case-insensitive). NCCL needs at least ``world_size``
+        visible CUDA GPUs (checked here) and ``fn`` choosing its device.
 
     Returns
     -------
@@ -691,12 +789,18 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
     Raises
     ------
     TypeError
-        ``fn`` not an importable module-level function; non-int sizes.
+        ``fn`` not an importable module-level function; non-int ``world_size`` or
+        ``threads``; a non-number ``timeout``; a non-str ``backend``.
     ValueError
-        ``world_size < 1``, ``threads < 1``, a non-positive ``timeout``.
+        ``world_size < 1``, ``threads < 1``, a non-positive or infinite ``timeout``, a
+        ``backend`` other than gloo or nccl, nccl with fewer GPUs than ranks, or the
+        backend not built into this torch. All checked before any process starts.
     RankError
         ``fn`` raised on some rank (message, type name and traceback of every failed rank),
-        or a rank died without a result.
+        or a rank's process exited before reporting a result (the message gives the exit
+        code and the usual causes: a script without an ``if __name__ == "__main__":``
+        guard, which every spawned process re-runs; ``fn`` not importable in a fresh
+        process; the process killed, e.g. for memory).
     TimeoutError
         Some rank did not finish within ``timeout`` seconds.
     """
@@ -714,6 +818,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
         raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
     if not (timeout > 0 and math.isfinite(timeout)):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    backend = _check_backend(backend, world_size)
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     ctx = mp.get_context("spawn")
@@ -739,11 +844,12 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
                 if p.is_alive():
                     p.kill()
                     p.join()
+        _read_results(result_dir, len(procs), results)     # any file written after the last look
     del store
     failures = {r: payload for r, (status, payload) in results.items() if status == "error"}
     for r, p in enumerate(procs):
         if r not in results and r not in stopped:
-            failures[r] = ("ProcessExit", f"the process exited with code {p.exitcode} without a result", "")
+            failures[r] = ("ProcessExit", _exit_message(p.exitcode), "")
     if failures:
         raise RankError(failures)
     missing = [r for r in range(world_size) if r not in results]
@@ -752,19 +858,59 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
     return [results[r][1] for r in range(world_size)]
 
 
+_BACKENDS = ("gloo", "nccl")
+
+
+def _check_backend(backend, world_size: int) -> str:
+    """``backend`` as "gloo" or "nccl", usable here with ``world_size`` ranks."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, 'gloo' or 'nccl', got {type(backend).__name__}")
+    key = backend.strip().lower()
+    if key not in _BACKENDS:
+        raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}")
+    if not dist.is_available() or not (dist.is_gloo_available() if key == "gloo" else dist.is_nccl_available()):
+        raise ValueError(f"backend={backend!r}: this build of torch has no {key} support")
+    if key == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size}, but "
+                         f"{torch.cuda.device_count()} GPU(s) are visible")
+    return key
+
+
+def _exit_message(code: Optional[int]) -> str:
+    """Why a rank has no result although its process ended."""
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return (f"the spawned process exited ({how}) before reporting a result; its own error, if any, went to "
+            "its stderr. Common causes: the script that calls run_on_ranks has no "
+            "`if __name__ == \"__main__\":` guard, so every spawned process re-runs it; fn cannot be "
+            "imported in a fresh process; the process was killed (e.g. out of memory)")
+
+
+def _read_results(result_dir: str, n: int, results: dict) -> list[int]:
+    """Load the result files not yet in ``results``; return the ranks just loaded."""
+    new = []
+    for r in range(n):
+        path = os.path.join(result_dir, f"rank{r}.pkl")
+        if r not in results and os.path.exists(path):
+            with open(path, "rb") as f:
+                results[r] = pickle.loads(f.read())
+            new.append(r)
+    return new
+
+
 def _collect(procs: list, result_dir: str, results: dict, deadline: float, grace: float = 3.0) -> None:
-    """Read the ranks' result files until all are in, the deadline passes, or ``grace`` s after a failure."""
+    """Read the ranks' result files until every rank has reported or exited, the deadline
+    passes, or ``grace`` s after a failure (peers may be waiting on the failed rank)."""
     stop_at = deadline
-    while len(results) < len(procs) and time.monotonic() < stop_at:
-        for r, p in enumerate(procs):
-            path = os.path.join(result_dir, f"rank{r}.pkl")
-            if r not in results and os.path.exists(path):
-                with open(path, "rb") as f:
-                    results[r] = pickle.loads(f.read())
-                if results[r][0] == "error":
-                    stop_at = min(stop_at, time.monotonic() + grace)   # peers may wait on the failed rank
-            elif r not in results and p.exitcode is not None and not os.path.exists(path):
-                stop_at = min(stop_at, time.monotonic() + grace)       # died without a result
+    while time.monotonic() < stop_at:
+        exited = [p.exitcode is not None for p in procs]   # before reading: a rank writes, then exits
+        for r in _read_results(result_dir, len(procs), results):
+            if results[r][0] == "error":
+                stop_at = min(stop_at, time.monotonic() + grace)
+        silent = [r for r in range(len(procs)) if exited[r] and r not in results]   # exited without a result
+        if silent:
+            stop_at = min(stop_at, time.monotonic() + grace)
+        if all(r in results or exited[r] for r in range(len(procs))):
+            return
         time.sleep(0.01)
 
 
@@ -810,7 +956,7 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
         One per case: the case's settings, ``world_size``, ``seconds`` (median over the
         repeats of the slowest rank's time, in seconds) and ``bytes_sent`` and
         ``handshake_bytes`` (lists, one int per rank: bytes of one call, all operations /
-        the shape check only, as :class:`ByteCounter` counts them).
+        the check of shapes and options only, as :class:`ByteCounter` counts them).
 
     Raises
     ------
@@ -834,6 +980,7 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
     repeats = _checks.check_positive_int(repeats, "repeats")
     for case in full:
         case["repeats"] = _checks.check_positive_int(case["repeats"] or repeats, "repeats")
+        case["state_exchange"] = _check_state_exchange(case["state_exchange"])
     return run_on_ranks(_measure_worker, world_size, full, timeout=timeout, threads=threads)[0]
 
 

@@ -7,6 +7,11 @@ local outputs and gradients; the tests compare them here with single-process flo
 """
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -63,6 +68,43 @@ CASES = {
         "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
         "bfloat16": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
                          dtype="bfloat16"),
+        **{f"options-{name}": dict(kind="options", lengths=[5, 7], **opts) for name, opts in {
+            # agree, or may differ: computed, and equal to the single-process reference
+            "exchange-unused-when-noncausal": dict(per_rank=[dict(causal=False, state_exchange="ring"),
+                                                             dict(causal=False, state_exchange="allgather")]),
+            "exchange-any-case": dict(per_rank=[dict(causal=True, state_exchange=" Ring "),
+                                                dict(causal=True, state_exchange="RING")]),
+            "method-and-chunk-may-differ": dict(per_rank=[dict(causal=True, method="recurrent"),
+                                                          dict(causal=True, method="Chunk", chunk_size=3)]),
+            "feature-map-by-name-or-function": dict(per_rank=[dict(causal=True, feature_map=" ELU+1"),
+                                                              dict(causal=True, feature_map=linattn.elu_plus_one)]),
+            # disagree: every rank raises, naming the option and showing both values
+            "exchange-differs-when-causal": dict(
+                per_rank=[dict(causal=True, state_exchange="ring"), dict(causal=True, state_exchange="allgather")],
+                expect=("ValueError", ["disagree on state_exchange (", "state_exchange='ring'",
+                                       "state_exchange='allgather'"])),
+            "eps-differs": dict(
+                per_rank=[dict(causal=True, eps=1e-6), dict(causal=True, eps=1e-5)],
+                expect=("ValueError", ["disagree on eps (", "eps=1e-06", "eps=1e-05"])),
+            "normalize-differs": dict(
+                per_rank=[dict(causal=False, normalize=True), dict(causal=False, normalize=False)],
+                expect=("ValueError", ["disagree on normalize (", "normalize=True", "normalize=False"])),
+            "feature-map-differs": dict(
+                per_rank=[dict(causal=True, feature_map="elu+1"), dict(causal=True, feature_map="relu")],
+                expect=("ValueError", ["disagree on feature_map (", "feature_map=linattn.feature_maps.elu_plus_one",
+                                       "feature_map=linattn.feature_maps.relu"])),
+            "softmax-scale-differs": dict(
+                softmax=True, per_rank=[dict(causal=True, scale=0.5), dict(causal=True, scale=0.25)],
+                expect=("ValueError", ["disagree on scale (", "scale=0.5", "scale=0.25"])),
+            # invalid on every rank: each raises its own error
+            "exchange-not-a-str": dict(
+                per_rank=[dict(causal=True, state_exchange=1)] * 2,
+                expect=("TypeError", ["state_exchange must be a str, one of ('allgather', 'ring'), got int"])),
+            "exchange-unknown-even-when-unused": dict(
+                per_rank=[dict(causal=False, state_exchange="tree")] * 2,
+                expect=("ValueError", ["state_exchange must be one of ('allgather', 'ring') (any case), "
+                                       "got 'tree'"])),
+        }.items()},
     },
     4: {
         **_cases([3, 1, 6, 4]),
@@ -141,6 +183,19 @@ def _run_invalid(case: dict, rank: int) -> tuple[str, str]:
     return ("no error", "")
 
 
+def _run_options(name: str, case: dict, rank: int):
+    """One call with this rank's own options: ("ok", out) or (exception type name, message)."""
+    q, k, v, _, _ = _local(name, case, rank)
+    try:
+        if case.get("softmax"):
+            out = ring_softmax_attention(q, k, v, **case["per_rank"][rank])
+        else:
+            out = sequence_parallel_linear_attention(q, k, v, **case["per_rank"][rank])
+    except (TypeError, ValueError) as err:
+        return (type(err).__name__, str(err))
+    return ("ok", out)
+
+
 def _worker(cases: dict[str, dict]) -> dict:
     """Runs on every rank: each case on this rank's slice; returns what the tests compare."""
     rank = dist.get_rank()
@@ -159,6 +214,8 @@ def _worker(cases: dict[str, dict]) -> dict:
             results[name] = dict(S=state.S, z=state.z)
         elif case["kind"] == "mismatch":
             results[name] = _run_mismatch(case, rank)
+        elif case["kind"] == "options":
+            results[name] = _run_options(name, case, rank)
         else:
             results[name] = _run_invalid(case, rank)
     return results
@@ -242,7 +299,7 @@ def _state_nbytes() -> int:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_bytes_sent_match_the_analytic_counts(ranks, world_size):
     P, s = world_size, _state_nbytes()
-    handshake = (P - 1) * 12 * 8
+    handshake = (P - 1) * 15 * 8              # an all-gather of one row of 15 int64 per rank
     for rank, res in enumerate(ranks(world_size)):
         assert res["causal-norm-allgather"]["bytes"] == (
             {"handshake": handshake, "state": (P - 1) * s, "state_grad": (P - 1) * s} if P > 1 else
@@ -257,7 +314,7 @@ def test_bytes_sent_match_the_analytic_counts(ranks, world_size):
 
 
 @pytest.mark.parametrize("world_size,name,words", [
-    (2, "mismatch-heads", "heads"), (2, "mismatch-causal", "causal"),
+    (2, "mismatch-heads", "heads"), (2, "mismatch-causal", "causal ("),
     (2, "softmax-mismatch-dv", "value_dim"), (4, "mismatch-value-dim", "value_dim")])
 def test_ranks_that_disagree_all_raise_a_clear_value_error(ranks, world_size, name, words):
     for rank, res in enumerate(ranks(world_size)):
@@ -278,6 +335,28 @@ def test_the_group_still_works_after_a_mismatch(ranks):
     out, _ = _reference_linear("after-mismatch", case)
     for rank, res in enumerate(ranks(4)):
         _close(res["after-mismatch"]["out"], out[:, :, _slice(case["lengths"], rank)], f"rank {rank}")
+
+
+OPTION_IDS = [name for name, c in CASES[2].items() if c["kind"] == "options"]
+
+
+@pytest.mark.parametrize("name", OPTION_IDS)
+def test_which_options_the_ranks_must_agree_on(ranks, name):
+    case = CASES[2][name]
+    results = [res[name] for res in ranks(2)]
+    if "expect" in case:
+        kind, words = case["expect"]
+        for rank, (got_kind, message) in enumerate(results):
+            assert got_kind == kind, f"rank {rank} got {got_kind}: {message}"
+            for word in words:
+                assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+        return
+    q, k, v, _, _ = _inputs(name, case)
+    opts = {key: value for key, value in case["per_rank"][0].items() if key not in ("state_exchange", "method")}
+    want = linattn.linear_attention(q, k, v, **opts)
+    for rank, (kind, out) in enumerate(results):
+        assert kind == "ok", f"rank {rank} raised {kind}: {out}"
+        _close(out, want[:, :, _slice(case["lengths"], rank)], f"rank {rank} output")
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -325,6 +404,17 @@ def _top_level(x):
     return x
 
 
+def test_feature_maps_are_identified_by_function_name_or_class():
+    from linattn.distributed import _feature_map_name
+    from linattn.feature_maps import resolve_feature_map
+    assert _feature_map_name(resolve_feature_map(" ELU+1")) == "linattn.feature_maps.elu_plus_one"
+    assert _feature_map_name(linattn.elu_plus_one) == "linattn.feature_maps.elu_plus_one"
+    assert _feature_map_name(resolve_feature_map("performer")) == "linattn.feature_maps.PerformerFeatures instance"
+    assert _feature_map_name(linattn.feature_maps.TaylorFeatures().forward) == (
+        "linattn.feature_maps.TaylorFeatures.forward")
+    assert _feature_map_name(None) == "None (q and k are features)"
+
+
 def test_run_on_ranks_rejects_what_cannot_be_spawned():
     with pytest.raises(TypeError, match="module-level function"):
         run_on_ranks(lambda: 0, 2)
@@ -332,6 +422,18 @@ def test_run_on_ranks_rejects_what_cannot_be_spawned():
         run_on_ranks(_top_level, 0)
     with pytest.raises(ValueError, match="timeout"):
         run_on_ranks(_top_level, 1, timeout=-1.0)
+    with pytest.raises(TypeError, match="threads must be an int, got float"):
+        run_on_ranks(_top_level, 1, threads=1.5)
+    with pytest.raises(ValueError, match=r"backend must be 'gloo' \(CPU\) or 'nccl' \(one GPU per rank\), "
+                                         r"got 'nonsense'"):
+        run_on_ranks(_top_level, 1, backend="nonsense")
+    with pytest.raises(TypeError, match="backend must be a str, 'gloo' or 'nccl', got NoneType"):
+        run_on_ranks(_top_level, 1, backend=None)
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="nccl"):
+            run_on_ranks(_top_level, 64, backend="NCCL")
+    with pytest.raises(ValueError, match="state_exchange must be one of"):
+        measure_sequence_parallel(2, [dict(kind="linear", T=8, state_exchange="tree")])
     with pytest.raises(ValueError, match="each case needs 'kind' and 'T'"):
         measure_sequence_parallel(2, [dict(kind="linear")])
     with pytest.raises(ValueError, match="no backward pass"):
@@ -353,6 +455,39 @@ def _sleep(seconds):
     time.sleep(seconds)
 
 
+def _exit_silently(code):
+    os._exit(code)          # no result file, no exception
+
+
+def test_a_rank_that_exits_without_reporting_is_named_with_its_exit_code():
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_exit_silently, 1, 3, timeout=60.0)
+    message = str(info.value)
+    assert message.startswith("rank 0: the spawned process exited (exit code 3) before reporting a result")
+    assert 'if __name__ == "__main__":' in message and "traceback" not in message
+    assert info.value.failures[0][0] == "ProcessExit"
+    assert time.monotonic() - start < 30.0     # noticed when the process ended, not at the timeout
+
+
+def test_a_script_without_a_main_guard_gets_a_hint(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        from linattn.distributed import run_on_ranks
+
+        def work():
+            return 1
+
+        print(run_on_ranks(work, 1, timeout=60.0))
+    """))
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "RankError: rank 0: the spawned process exited (exit code 1) before reporting a result" in done.stderr
+    assert 'no `if __name__ == "__main__":` guard' in done.stderr
+
+
 def test_a_worker_exception_reaches_the_parent_and_the_blocked_peer_is_stopped():
     start = time.monotonic()
     with pytest.raises(RankError, match="rank 1 raised ValueError: boom on rank 1") as info:
@@ -371,15 +506,16 @@ def test_a_rank_past_the_timeout_is_terminated():
 def test_measure_sequence_parallel_counts_bytes_and_times():
     T, P = 64, 2
     records = measure_sequence_parallel(P, [
-        dict(kind="linear", T=T, causal=True, state_exchange="ring", backward=True),
+        dict(kind="linear", T=T, causal=True, state_exchange="Ring", backward=True),
         dict(kind="linear", T=T, causal=True, communication_only=True),
         dict(kind="softmax", T=T, causal=True),
         dict(kind="softmax", T=T + 1, causal=True, communication_only=True),
     ], repeats=1, timeout=60.0)
     s = 1 * 2 * 16 * 17 * 4                     # float32 state of B=1, H=2, M=16, Dv+1=17
-    assert records[0]["bytes_sent"] == [96 + s, 96 + s] and records[0]["handshake_bytes"] == [96, 96]
+    hs = 15 * 8                                 # the other rank's row of 15 int64
+    assert records[0]["bytes_sent"] == [hs + s, hs + s] and records[0]["handshake_bytes"] == [hs, hs]
     assert records[1]["bytes_sent"] == [s, s]
     kv = 1 * 2 * (16 + 16) * 4                  # bytes of one token's key and value
-    assert records[2]["bytes_sent"] == [96 + 32 * kv, 96 + 32 * kv]
+    assert records[2]["bytes_sent"] == [hs + 32 * kv, hs + 32 * kv]
     assert records[3]["bytes_sent"] == [33 * kv, 32 * kv]   # slices of 33 and 32 tokens
     assert all(r["seconds"] > 0 and r["world_size"] == P for r in records)
