@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -45,8 +46,12 @@ def check_same_kind(named: dict[str, Tensor]) -> None:
             )
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
-    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_only: Optional[str] = None) -> None:
+    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk.
+
+    ``causal_only``: for a function that has no ``causal`` argument (it is always causal),
+    its name; the error for ``Tq != Tk`` then says so instead of suggesting ``causal=False``.
+    """
     layout = "(batch, heads, seq, dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name, 4, layout)
@@ -68,10 +73,13 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
         )
     causal = check_bool(causal, "causal")
     if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"causal=True needs as many queries as keys, got q with seq {q.shape[2]} and k with "
-            f"seq {k.shape[2]}; use causal=False for cross-attention"
-        )
+        got = f"got q with seq {q.shape[2]} and k with seq {k.shape[2]}"
+        if causal_only is not None:
+            raise ValueError(
+                f"{causal_only} is causal (it has no cross-attention form) and needs as many queries "
+                f"as keys: q, k and v must have the same seq (dim 2), {got}"
+            )
+        raise ValueError(f"causal=True needs as many queries as keys, {got}; use causal=False for cross-attention")
 
 
 def type_name(x) -> str:

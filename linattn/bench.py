@@ -12,7 +12,10 @@ or from Python, with :func:`run_benchmark` and :func:`format_table`. The decay f
 :mod:`linattn.decay` (retention, GLA, the delta rule) has its own table, chunk form
 against recurrent form (:func:`run_decay_benchmark`, :func:`format_decay_table`)::
 
-    python -m linattn.bench --decay                           # T = 4096, B = 1, H = 4, D = 64
+    python -m linattn.bench --decay --threads 1               # T = 4096, B = 1, H = 4, D = 64
+
+``--threads N`` pins ``torch.set_num_threads(N)`` for the run (either table); on a shared
+machine, unpinned threads make the ratios meaningless.
 
 Methods (every one computes causal, normalised linear attention with elu+1 features,
 except ``sdpa``, which is the softmax reference):
@@ -263,7 +266,7 @@ def cumsum_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, eps: float = 1e-
     TypeError, ValueError
         Bad inputs, as for :func:`linattn.linear_attention` with ``causal=True``.
     """
-    _checks.check_qkv(q, k, v, causal=True)
+    _checks.check_qkv(q, k, v, causal=True, causal_only="cumsum_linear_attention")
     _checks.check_eps(eps)
     phi_q, phi_k, v = _features(q, k, v)
     S = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)      # (B, H, T, M, Dv)
@@ -318,7 +321,7 @@ def baseline_chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_si
     TypeError, ValueError
         Bad inputs, as for :func:`linattn.linear_attention` with ``causal=True``.
     """
-    _checks.check_qkv(q, k, v, causal=True)
+    _checks.check_qkv(q, k, v, causal=True, causal_only="baseline_chunk_linear_attention")
     _checks.check_chunk_size(chunk_size)
     _checks.check_eps(eps)
     phi_q, phi_k, v = _features(q, k, v)
@@ -934,6 +937,7 @@ def run_decay_benchmark(
     backward: bool = True,
     seed: int = 0,
     progress: bool = False,
+    threads: Optional[int] = None,
 ) -> list[dict]:
     """Time the chunkwise and the recurrent forms of :mod:`linattn.decay` against each other.
 
@@ -954,13 +958,19 @@ def run_decay_benchmark(
         As in :func:`run_benchmark`.
     backward : bool
         Also time forward+backward.
+    threads : int, optional
+        ``torch.set_num_threads(threads)`` for the run (restored afterwards); None (the
+        default) keeps the current setting. On a shared machine pin it: the ratios depend
+        strongly on it.
 
     Returns
     -------
     list of dict
         One dict per (T, variant, method) with keys ``variant``, ``method``, ``seq_len``,
-        ``batch``, ``heads``, ``head_dim``, ``chunk_size``, ``dtype``, ``device``, ``fwd_s``
-        and ``fwd_bwd_s`` (median seconds; None when not measured).
+        ``batch``, ``heads``, ``head_dim``, ``chunk_size``, ``effective_chunk_size`` (the
+        chunk length the functions use, ``min(chunk_size, T)``), ``dtype``, ``device``,
+        ``threads`` (``torch.get_num_threads()`` during the run), ``fwd_s`` and ``fwd_bwd_s``
+        (median seconds; None when not measured).
 
     Raises
     ------
@@ -988,6 +998,21 @@ def run_decay_benchmark(
         raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if threads is not None:
+        _check_positive_int(threads, "threads")
+    threads_before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _time_decay(decay, seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size,
+                           repeats, warmup, backward, seed, progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _time_decay(decay, seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
+                backward, seed, progress) -> list[dict]:
+    """The timing loop of :func:`run_decay_benchmark` (arguments already checked)."""
     functions = {"retention": decay.retention, "gla": decay.gated_linear_attention, "delta": decay.delta_rule}
     results = []
     with tqdm(total=len(seq_lens) * len(variants) * 2, disable=not progress, unit="cell",
@@ -1010,8 +1035,9 @@ def run_decay_benchmark(
                         torch.autograd.grad(call(), (q, k, v), grad_out)
 
                     row = dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
-                               head_dim=head_dim, chunk_size=chunk_size, dtype=_dtype_name(dtype),
-                               device=str(device), fwd_s=None, fwd_bwd_s=None)
+                               head_dim=head_dim, chunk_size=chunk_size,
+                               effective_chunk_size=min(chunk_size, T), dtype=_dtype_name(dtype),
+                               device=str(device), threads=torch.get_num_threads(), fwd_s=None, fwd_bwd_s=None)
                     row["fwd_s"] = median_time(forward, repeats=repeats, warmup=warmup, device=device)
                     if backward:
                         row["fwd_bwd_s"] = median_time(forward_backward, repeats=repeats, warmup=warmup,
@@ -1026,7 +1052,9 @@ def format_decay_table(results: Sequence[dict]) -> str:
 
     One line per (T, variant): median forward and forward+backward times (ms) of the
     chunk and recurrent forms, and the ratios recurrent / chunk (above 1: the chunk
-    form is faster).
+    form is faster). The title gives the chunk length the functions actually use,
+    ``C = min(chunk_size, T)`` (a column ``C`` when it differs between rows), and the number
+    of torch threads.
 
     Parameters
     ----------
@@ -1043,12 +1071,19 @@ def format_decay_table(results: Sequence[dict]) -> str:
     first = results[0]
     cells = {(r["seq_len"], r["variant"], r["method"]): r for r in results}
     keys = list(dict.fromkeys((r["seq_len"], r["variant"]) for r in results))
-    header = ["T", "variant", "chunk fwd ms", "rec fwd ms", "fwd rec/chunk",
+    def effective_chunk(r: dict) -> int:
+        return r.get("effective_chunk_size", min(r["chunk_size"], r["seq_len"]))
+
+    chunks = sorted({effective_chunk(r) for r in results})
+    per_row_chunk = len(chunks) > 1      # several T, some shorter than chunk_size: C differs by row
+    header = ["T", "variant", *(["C"] if per_row_chunk else []), "chunk fwd ms", "rec fwd ms", "fwd rec/chunk",
               "chunk f+b ms", "rec f+b ms", "f+b rec/chunk"]
     rows = [header]
     for T, variant in keys:
         chunk, rec = cells.get((T, variant, "chunk")), cells.get((T, variant, "recurrent"))
         row = [str(T), variant]
+        if per_row_chunk:
+            row.append(str(effective_chunk(chunk or rec)))
         for key in ("fwd_s", "fwd_bwd_s"):
             a = None if chunk is None else chunk[key]
             b = None if rec is None else rec[key]
@@ -1057,8 +1092,12 @@ def format_decay_table(results: Sequence[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join([row[0].rjust(widths[0]), row[1].ljust(widths[1])]
                        + [c.rjust(w) for c, w in zip(row[2:], widths[2:])]).rstrip() for row in rows]
-    title = (f"linattn.decay on {first['device']}, {first['dtype']}, B={first['batch']} H={first['heads']} "
-             f"D=Dv={first['head_dim']}, C={first['chunk_size']}: chunk vs recurrent")
+    # C is the chunk length actually used, min(chunk_size, T)
+    chunk_text = f"C={chunks[0]}" if not per_row_chunk else f"C=min({first['chunk_size']}, T)"
+    threads = sorted({r["threads"] for r in results if r.get("threads") is not None})
+    threads_text = f", {'/'.join(map(str, threads))} thread{'s' if threads != [1] else ''}" if threads else ""
+    title = (f"linattn.decay on {first['device']}{threads_text}, {first['dtype']}, B={first['batch']} "
+             f"H={first['heads']} D=Dv={first['head_dim']}, {chunk_text}: chunk vs recurrent")
     legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; "
               "rec/chunk: recurrent time / chunk time (> 1: the chunk form is faster).")
     return "\n".join([title, "", *lines, "", legend])
@@ -1104,7 +1143,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch", type=_positive_int, default=1, help="batch size B (default: %(default)s)")
     add("--heads", type=_positive_int, default=4, help="heads H (default: %(default)s)")
     add("--head-dim", type=_positive_int, default=64, help="head dimension D = Dv (default: %(default)s)")
-    add("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+    add("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
         help=f"methods to run, out of: {', '.join(METHODS)} (default: all)")
     add("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
         help="chunk size C of the chunkwise methods (default: %(default)s)")
@@ -1117,11 +1156,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=_non_negative_int, default=0, help="seed of the random inputs (default: %(default)s)")
     add("--json", metavar="PATH", help="write metadata and raw results as JSON")
     add("--plot", metavar="PATH", help="save a PNG of time and memory against T (matplotlib)")
+    add("--threads", type=_positive_int, default=None, metavar="N",
+        help="torch.set_num_threads(N) for the run (default: torch's own default); pin it on a "
+             "shared machine, where unpinned threads make the ratios meaningless")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--decay", action="store_true",
         help="instead: time the chunk and recurrent forms of retention, GLA and the delta rule "
              f"(linattn.decay); --seq-lens defaults to {' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, "
-             "--methods, --max-memory-gb and --plot do not apply")
+             "--methods, --max-memory-gb and --plot do not apply (and are refused)")
     return parser
 
 
@@ -1134,6 +1176,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.decay:
+        for flag, value in (("--methods", args.methods), ("--max-memory-gb", args.max_memory_gb),
+                            ("--plot", args.plot)):
+            if value is not None:
+                parser.error(f"{flag} does not apply to --decay")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -1146,8 +1193,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--plot needs matplotlib (pip install matplotlib)")
 
     device = _resolve_device(args.device)
-    if args.decay:
-        return _main_decay(args, parser, device, argv)
+    threads_before = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.decay:
+            return _main_decay(args, device, argv)
+        return _main_attention(args, device, argv)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _main_attention(args: argparse.Namespace, device: torch.device, argv: Optional[Sequence[str]]) -> int:
+    """``python -m linattn.bench``: the table of :func:`run_benchmark` (and JSON, PNG)."""
+    if args.methods is None:
+        args.methods = list(METHODS)
     if args.seq_lens is None:
         args.seq_lens = list(DEFAULT_SEQ_LENS)
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
@@ -1159,7 +1219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json is not None:
         metadata = machine_info(device)
         metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},
-                        seq_lens=args.seq_lens, methods=list(dict.fromkeys(args.methods)),
+                        seq_lens=args.seq_lens, methods=list(dict.fromkeys(args.methods)), threads=args.threads,
                         matmul_size=2048, matmul_gflops=results[0]["matmul_gflops"],
                         max_memory_bytes=results[0]["max_memory_bytes"],
                         command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
@@ -1173,21 +1233,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if any(r["status"] == "failed" for r in results) else 0
 
 
-def _main_decay(args: argparse.Namespace, parser: argparse.ArgumentParser, device: torch.device,
-                argv: Optional[Sequence[str]]) -> int:
+def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[Sequence[str]]) -> int:
     """``python -m linattn.bench --decay``: the table of :func:`run_decay_benchmark` (and JSON)."""
-    if args.plot is not None:
-        parser.error("--plot does not apply to --decay")
     seq_lens = args.seq_lens if args.seq_lens is not None else list(DEFAULT_DECAY_SEQ_LENS)
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                     chunk_size=args.chunk_size, repeats=args.repeats, warmup=args.warmup,
                     backward=not args.no_backward, seed=args.seed)
-    results = run_decay_benchmark(seq_lens, **settings, progress=not args.no_progress)
+    results = run_decay_benchmark(seq_lens, **settings, progress=not args.no_progress, threads=args.threads)
     print(format_decay_table(results))
     if args.json is not None:
         metadata = machine_info(device)
         metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},
-                        seq_lens=seq_lens, variants=list(DECAY_VARIANTS),
+                        seq_lens=seq_lens, variants=list(DECAY_VARIANTS), threads=args.threads,
                         command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
         with open(args.json, "w") as f:
             json.dump({"metadata": metadata, "results": results}, f, indent=2)

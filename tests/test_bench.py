@@ -226,3 +226,79 @@ def test_run_benchmark_rejects_bad_arguments(kwargs, error):
     args.update(kwargs)
     with pytest.raises(error):
         bench.run_benchmark(args.pop("methods"), args.pop("seq_lens"), **args)
+
+
+# ------------------------------------------------------------------ --decay: flags, effective C, threads
+
+DECAY_TINY = ["--decay", "--device", "cpu", "--heads", "1", "--head-dim", "4", "--repeats", "1", "--warmup", "0",
+              "--no-backward", "--no-progress"]
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--methods", "chunk"], "--methods"),
+    (["--max-memory-gb", "1"], "--max-memory-gb"),
+    (["--max-memory-gb", "inf"], "--max-memory-gb"),
+    (["--plot", "out.png"], "--plot"),
+])
+def test_decay_refuses_flags_that_do_not_apply(extra, flag, capsys):
+    """--methods and --max-memory-gb used to be ignored silently (exit 0) while --plot was
+    refused: all three are refused alike, with argparse's usage message and status 2."""
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*DECAY_TINY, "--seq-lens", "8", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m linattn.bench" in err and f"error: {flag} does not apply to --decay" in err
+
+
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--threads", "-2"], ["--threads", "two"], ["--threads"]])
+def test_bad_threads_flag_is_an_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main([*DECAY_TINY, "--seq-lens", "8", *argv])
+    assert exc.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+def test_decay_title_gives_the_effective_chunk_size(capsys):
+    """T = 9 < chunk_size = 64: the functions use C = 9, and the title says so."""
+    assert bench.main([*DECAY_TINY, "--seq-lens", "9"]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert "C=9:" in title and "C=64" not in title
+    rows = bench.run_decay_benchmark([9, 70], variants=["gla"], heads=1, head_dim=4, chunk_size=64, repeats=1,
+                                     warmup=0, backward=False)
+    assert [(r["seq_len"], r["chunk_size"], r["effective_chunk_size"]) for r in rows] == [
+        (9, 64, 9), (9, 64, 9), (70, 64, 64), (70, 64, 64)]
+    lines = bench.format_decay_table(rows).splitlines()
+    assert "C=min(64, T)" in lines[0]
+    assert lines[2].split()[:3] == ["T", "variant", "C"]
+    assert lines[3].split()[:3] == ["9", "gla", "9"] and lines[4].split()[:3] == ["70", "gla", "64"]
+
+
+def test_decay_threads_are_pinned_recorded_and_restored(tmp_path, capsys):
+    before = torch.get_num_threads()
+    out_json = tmp_path / "decay.json"
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--threads", "1", "--json", str(out_json)]) == 0
+    assert torch.get_num_threads() == before
+    assert "1 thread," in capsys.readouterr().out.splitlines()[0]
+    data = json.loads(out_json.read_text())
+    assert data["metadata"]["threads"] == 1 and data["metadata"]["torch_threads"] == 1
+    assert {r["threads"] for r in data["results"]} == {1}
+    # without --threads, torch's setting is left alone and recorded as such
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert data["metadata"]["threads"] is None and data["metadata"]["torch_threads"] == before
+    assert {r["threads"] for r in data["results"]} == {before}
+    # the function API pins and restores too, and checks the value
+    rows = bench.run_decay_benchmark([8], variants=["retention"], heads=1, head_dim=4, repeats=1, warmup=0,
+                                     backward=False, threads=1)
+    assert {r["threads"] for r in rows} == {1} and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads"):
+        bench.run_decay_benchmark([8], threads=0)
+    with pytest.raises(TypeError, match="threads"):
+        bench.run_decay_benchmark([8], threads=1.5)
+
+
+def test_baselines_without_causal_flag_name_themselves_on_length_mismatch():
+    q, k, v = _qkv(1, 2, 10, 4, 4)
+    for fn, name in ((bench.cumsum_linear_attention, "cumsum_linear_attention"),
+                     (bench.baseline_chunk_linear_attention, "baseline_chunk_linear_attention")):
+        with pytest.raises(ValueError, match=rf"^{name} is causal .*got q with seq 10 and k with seq 6$"):
+            fn(q, k[:, :, :6], v[:, :, :6])

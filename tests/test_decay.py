@@ -331,6 +331,104 @@ def test_retention_extreme_decay_is_finite_and_exact_in_float32(gamma):
         torch.testing.assert_close(S.double(), ref_S, rtol=2e-5, atol=2e-5 * ref_S.abs().max().item())
 
 
+def _gla_huge_log_g(T, D, value, seed):
+    """log_g of -0.1 and ``value`` (a huge negative gate, exp(value) = 0) mixed at random."""
+    gen = torch.Generator().manual_seed(seed)
+    strong = torch.rand(1, 2, T, D, generator=gen) < 0.3
+    return torch.where(strong, torch.tensor(value), torch.tensor(-0.1))
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+@pytest.mark.parametrize("value", [-1e38, -3.4e38, -1e4])
+def test_gla_huge_negative_log_g_matches_recurrent_without_nan(chunk, value):
+    """Regression: float32 range sums of log_g = -1e38 used to overflow to -inf and the 0/1
+    segment-sum matmuls turned -inf · 0 into NaN (chunk form only). Any finite log_g <= 0 is
+    accepted, so both forms must give finite values and gradients, equal to the float64 loop,
+    and the gradient of a gate whose exp underflows is exactly 0 in both forms."""
+    T, D, Dv = 64, 3, 2
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, T, d, generator=gen) for d in (D, D, Dv))
+    log_g = _gla_huge_log_g(T, D, value, seed=5)
+    S0 = torch.randn(1, 2, D, Dv, generator=gen)
+    ins = leaves(*(x.double() for x in (q, k, v, log_g, S0)))
+    ref_out, ref_S = ref_gla_loop(*ins)
+    ref_grads = torch.autograd.grad(ref_out.sum() + ref_S.sum(), ins)
+    for method in ("chunk", "recurrent"):
+        xs = leaves(q, k, v, log_g, S0)
+        out, S = gated_linear_attention(*xs[:4], method=method, chunk_size=chunk, initial_state=xs[4],
+                                        return_state=True)
+        grads = torch.autograd.grad(out.sum() + S.sum(), xs)
+        for got, want in zip((out, S, *grads), (ref_out, ref_S, *ref_grads)):
+            assert torch.isfinite(got).all(), method
+            torch.testing.assert_close(got.double(), want, **FLOAT32)
+        assert (grads[3][log_g == value] == 0).all(), method
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_gla_floor_changes_nothing_that_underflow_did_not(chunk):
+    """A gate of exp(-150) already underflows to exactly 0 in float32: replacing it by
+    exp(-1e38) (clamped internally) gives bit-identical outputs and gradients."""
+    T, D, Dv = 64, 3, 2
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, T, d, generator=gen) for d in (D, D, Dv))
+    results = []
+    for value in (-150.0, -1e38):
+        log_g = _gla_huge_log_g(T, D, value, seed=7)
+        xs = leaves(q, k, v, log_g)
+        out = gated_linear_attention(*xs, chunk_size=chunk)
+        results.append((out, *torch.autograd.grad(out.sum(), xs)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+@pytest.mark.parametrize("gamma", [1e-38, 1e-45])
+def test_retention_subnormal_gamma_matches_recurrent_with_gradients(chunk, gamma):
+    """γ = 1e-38 and 1e-45 (float32 subnormals; 1/γ overflows for the latter): finite values
+    and gradients, γ's included, equal to the float64 reference and the recurrent form. (The
+    chain rule through log γ gave ∂/∂γ = -3 instead of -4.73 at γ = 1e-45.)"""
+    B, H, T, D, Dv = 1, 2, 64, 3, 2
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(B, H, T, d, generator=gen) for d in (D, D, Dv))
+    S0 = torch.randn(B, H, D, Dv, generator=gen)
+    g = torch.tensor([gamma, 0.5])
+    ins = leaves(*(x.double() for x in (q, k, v, g, S0)))
+    ref_out, ref_S = ref_retention(ins[0], ins[1], ins[2], ins[3], ins[4])
+    ref_grads = torch.autograd.grad(ref_out.sum() + ref_S.sum(), ins)
+    for method in ("chunk", "recurrent"):
+        xs = leaves(q, k, v, g, S0)
+        out, S = retention(*xs[:4], method=method, chunk_size=chunk, initial_state=xs[4], return_state=True)
+        grads = torch.autograd.grad(out.sum() + S.sum(), xs)
+        for got, want in zip((out, S, *grads), (ref_out, ref_S, *ref_grads)):
+            assert torch.isfinite(got).all(), method
+            torch.testing.assert_close(got.double(), want, **FLOAT32)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_delta_rule_extreme_accepted_inputs_match_reference(chunk):
+    """β at both ends of [0, 2], zero keys, subnormal keys and unit keys mixed: finite and
+    equal to the float64 Householder loop (no exp anywhere, but the solve must not divide)."""
+    B, H, T, D, Dv = 1, 2, 64, 4, 3
+    gen = torch.Generator().manual_seed(9)
+    q, v = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, Dv, generator=gen)
+    k = F.normalize(torch.randn(B, H, T, D, generator=gen), dim=-1)
+    k[:, :, ::7] = 0.0
+    k[:, :, 3::7] = 1e-40
+    beta = torch.rand(B, H, T, generator=gen) * 2
+    beta[:, :, ::3], beta[:, :, 1::3] = 2.0, 0.0
+    ins = leaves(*(x.double() for x in (q, k, v, beta)))
+    ref_out, ref_S = ref_delta(*ins)
+    ref_grads = torch.autograd.grad(ref_out.sum() + ref_S.sum(), ins)
+    for method in ("chunk", "recurrent"):
+        xs = leaves(q, k, v, beta)
+        out, S = delta_rule(*xs, method=method, chunk_size=chunk, return_state=True)
+        grads = torch.autograd.grad(out.sum() + S.sum(), xs)
+        for got, want in zip((out, S, *grads), (ref_out, ref_S, *ref_grads)):
+            assert torch.isfinite(got).all(), method
+            scale = max(want.abs().max().item(), 1.0)
+            torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5 * scale)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("method", ["chunk", "recurrent"])
@@ -427,12 +525,29 @@ BAD = [
      r"initial_state must be a torch.Tensor S .*got .*LinearAttentionState"),
     ("retention", _args(), dict(feature_map="nope"), ValueError, r"nope"),
     ("delta", [torch.randn(2, 3, 6, 3), torch.randn(2, 3, 5, 3), torch.randn(2, 3, 5, 2), torch.rand(2, 3, 6)], {},
-     ValueError, r"causal=True needs as many queries as keys"),
+     ValueError, r"delta_rule is causal \(it has no cross-attention form\) and needs as many queries as keys"),
     ("gla", [torch.randn(3, 6, 3), torch.randn(3, 6, 3), torch.randn(3, 6, 2), torch.zeros(3, 6, 3)], {},
      ValueError, r"q must be 4-D \(batch, heads, seq, dim\), got shape \(3, 6, 3\)"),
     ("retention", [torch.randn(2, 3, 6, 3), torch.randn(2, 3, 6, 3).double(), torch.randn(2, 3, 6, 2), 0.9], {},
      TypeError, r"k has dtype torch.float64 but q has dtype torch.float32"),
 ]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fewer_keys_than_queries_names_the_function_not_a_causal_flag(variant):
+    """The decay functions have no ``causal`` argument: the error must not suggest one."""
+    q, k, v, extra = _args(variant)
+    name = {"retention": "retention", "gla": "gated_linear_attention", "delta": "delta_rule"}[variant]
+    with pytest.raises(ValueError) as exc:
+        FUNCS[variant](q, k[:, :, :4], v[:, :, :4], extra)
+    message = str(exc.value)
+    assert message.startswith(f"{name} is causal (it has no cross-attention form) and needs as many queries as keys")
+    assert "got q with seq 6 and k with seq 4" in message
+    assert "causal=" not in message
+    # linear_attention, which has the flag, keeps its own advice
+    with pytest.raises(ValueError, match=r"causal=True needs as many queries as keys, got q with seq 6 and k with "
+                                         r"seq 4; use causal=False for cross-attention"):
+        linattn.linear_attention(q, k[:, :, :4], v[:, :, :4], causal=True)
 
 
 @pytest.mark.parametrize("variant,args,kwargs,error,message", BAD,
