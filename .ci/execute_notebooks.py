@@ -46,15 +46,17 @@ def colab_cell_source(root: pathlib.Path = ROOT) -> str:
     return COLAB_CELL.format(url=repo["url"].rstrip("/"), branch=repo.get("branch", "main"))
 
 
-def toc_notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-    """Every notebook listed in ``_toc.yml``, in book order."""
-    toc = yaml.safe_load((root / "_toc.yml").read_text())
+def toc_entries(root: pathlib.Path = ROOT) -> list[str]:
+    """Every document named in ``_toc.yml`` (the root, then each ``file``, nested sections
+    included), in book order, as written there (no suffix)."""
+    toc = yaml.safe_load((root / "_toc.yml").read_text(encoding="utf-8"))
     files: list[str] = []
 
     def walk(node):
         if isinstance(node, dict):
-            if "file" in node:
-                files.append(node["file"])
+            for key in ("root", "file"):
+                if isinstance(node.get(key), str):
+                    files.append(node[key])
             for value in node.values():
                 walk(value)
         elif isinstance(node, list):
@@ -62,7 +64,12 @@ def toc_notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
                 walk(item)
 
     walk(toc)
-    return [root / f"{f}.ipynb" for f in files if (root / f"{f}.ipynb").exists()]
+    return files
+
+
+def toc_notebooks(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+    """Every notebook listed in ``_toc.yml``, in book order."""
+    return [root / f"{f}.ipynb" for f in toc_entries(root) if (root / f"{f}.ipynb").exists()]
 
 
 def set_colab_cell(nb: nbformat.NotebookNode) -> None:

@@ -13,6 +13,8 @@ import re
 import pytest
 import yaml
 
+import booktools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOC = ROOT / "_toc.yml"
 BIB = ROOT / "chapters" / "references.bib"
@@ -25,22 +27,7 @@ BIB_KEY_RE = re.compile(r"^\s*@\s*(?!comment\b|string\b|preamble\b)\w+\s*[{(]\s*
 
 def _toc_files() -> list[str]:
     """Every document named in _toc.yml (root, files, and nested sections), in order."""
-    toc = yaml.safe_load(TOC.read_text(encoding="utf-8"))
-    files: list[str] = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            for key in ("root", "file"):
-                if isinstance(node.get(key), str):
-                    files.append(node[key])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(toc)
-    return files
+    return booktools.toc_entries()
 
 
 def _resolve(entry: str) -> pathlib.Path | None:
@@ -159,12 +146,7 @@ def test_notebook_first_cell_is_colab_install(path):
 
 
 def _execute_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / ".ci" / "execute_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return booktools.execute_script()
 
 
 def test_repository_url_is_written_in_one_place():

@@ -21,7 +21,6 @@ same kernel. One kernel serves the whole module; building it takes about half a 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -36,6 +35,8 @@ import pytest
 import torch
 import yaml
 
+import booktools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLAB_TAG = "colab-install"
 # Device-specific text that must not appear in what a chapter's setup prints.
@@ -45,14 +46,7 @@ DEVICE_RE = re.compile(r"cuda|\bGPU\b|nvidia|tesla|geforce|device\(type=", re.I)
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="pip needs git for a git+ URL")
 
 
-def _execute_script():
-    spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / ".ci" / "execute_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXECUTE = _execute_script()
+EXECUTE = booktools.execute_script()
 NOTEBOOKS = EXECUTE.toc_notebooks(ROOT)
 
 

@@ -55,9 +55,10 @@ import urllib.request
 import pytest
 import yaml
 
+import booktools
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "_config.yml"
-TOC = ROOT / "_toc.yml"
 CHROMIUM = pathlib.Path(os.environ.get("LINATTN_CHROMIUM", "/usr/bin/chromium"))
 MATHJAX_DIR = pathlib.Path(os.environ.get("LINATTN_MATHJAX_DIR", ROOT / ".ci" / "cache" / "mathjax"))
 ARTIFACTS = pathlib.Path(os.environ.get("LINATTN_SITE_ARTIFACTS", ROOT / "_build" / "test-artifacts" / "site"))
@@ -83,22 +84,8 @@ def _config() -> dict:
 
 
 def _toc_files() -> list[str]:
-    toc = yaml.safe_load(TOC.read_text(encoding="utf-8"))
-    files: list[str] = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            for key in ("root", "file"):
-                if isinstance(node.get(key), str):
-                    files.append(node[key])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(toc)
-    return [str(pathlib.PurePosixPath(f).with_suffix("")) if f.endswith((".md", ".ipynb")) else f for f in files]
+    return [str(pathlib.PurePosixPath(f).with_suffix("")) if f.endswith((".md", ".ipynb")) else f
+            for f in booktools.toc_entries()]
 
 
 def _expected_colab_url(config: dict, pagename: str) -> str:
