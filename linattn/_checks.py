@@ -5,6 +5,7 @@ says what it got and what it needs; nothing is broadcast silently.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
@@ -115,22 +116,73 @@ def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
     return x
 
 
-def check_key_padding_mask(mask, k: Tensor) -> None:
-    """``mask`` is a bool (batch, seq_k) tensor on k's device; True marks a real token."""
+def check_attention_mask(mask, k: Tensor) -> Optional[Tensor]:
+    """``mask`` is None or a (batch, seq_k) mask for ``k``; returns it as a bool tensor (True = real token)."""
+    return attention_mask_as_bool(mask, k.shape[0], k.shape[2], k.device)
+
+
+def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "attention_mask") -> Optional[Tensor]:
+    """A ``(batch, seq)`` attention mask as a bool tensor, or None.
+
+    Hugging Face's and flash-linear-attention's convention: True (or 1) marks a real token that
+    may be attended to, False (or 0) padding. Bool tensors and integer tensors holding only 0
+    and 1 are accepted; anything else raises. (PyTorch's ``key_padding_mask`` means the
+    opposite, True = padding: that name is refused, see :func:`reject_key_padding_mask`.)
+    """
     if mask is None:
-        return
+        return None
     if not isinstance(mask, Tensor):
-        raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must have dtype torch.bool (True = real token), got {mask.dtype}")
-    expected = (k.shape[0], k.shape[2])
+        raise TypeError(f"{name} must be a torch.Tensor (True or 1 = real token), got {type_name(mask)}")
+    if mask.dtype != torch.bool and (mask.is_floating_point() or mask.is_complex()):
+        raise TypeError(f"{name} must be a bool or integer (0/1) tensor, True or 1 = real token; got dtype "
+                        f"{mask.dtype}")
+    expected = (batch, seq)
     if tuple(mask.shape) != expected:
-        raise ValueError(
-            f"key_padding_mask must have shape (batch, seq_k) = {shape_str(expected)}, "
-            f"got {shape_str(mask.shape)}"
-        )
-    if mask.device != k.device:
-        raise ValueError(f"key_padding_mask is on {mask.device} but k is on {k.device}")
+        raise ValueError(f"{name} must have shape (batch, seq) = {shape_str(expected)}, got {shape_str(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but the inputs are on {device}")
+    if mask.dtype == torch.bool:
+        return mask
+    check_values((mask == 0) | (mask == 1), name, "0 or 1 (1 = real token) when it is an integer tensor", mask)
+    return mask != 0
+
+
+def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -> None:
+    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``.
+
+    Eagerly this raises a ValueError quoting the first offending entry of ``x`` and its index.
+    Under ``torch.compile`` a Python ``if`` on tensor data would break the graph, so the same
+    check runs inside the graph (``torch._assert_async``) and a bad value raises a
+    RuntimeError with the message ``{name} must be {need}``: compiled code still refuses it.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok.all(), f"{name} must be {need}")
+        return
+    with torch.no_grad():
+        if bool(ok.all()):
+            return
+        where = tuple(int(i) for i in (~ok).nonzero()[0])
+        got = "" if x is None else f", got {x[where].item()} at index {where}"
+    raise ValueError(f"{name} must be {need}{got}")
+
+
+def reject_key_padding_mask(fn):
+    """Refuse the old keyword ``key_padding_mask`` with an error that explains the rename.
+
+    PyTorch's ``key_padding_mask`` (``nn.MultiheadAttention``) marks padding with True, the
+    opposite of linattn's mask, so accepting it under that name would silently invert it.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "key_padding_mask" in kwargs:
+            raise TypeError(
+                f"{fn.__qualname__}() takes attention_mask (True or 1 = real token, as in Hugging Face), "
+                "not key_padding_mask: PyTorch's key_padding_mask marks padding with True, the opposite. "
+                "Pass attention_mask=~key_padding_mask for a PyTorch-style mask"
+            )
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def check_eps(eps, dtype: torch.dtype = torch.float64) -> float:

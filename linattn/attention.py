@@ -19,6 +19,7 @@ __all__ = ["softmax_attention", "linear_attention", "METHODS"]
 METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
 
 
+@_checks.reject_key_padding_mask
 def softmax_attention(
     q: Tensor,
     k: Tensor,
@@ -26,7 +27,7 @@ def softmax_attention(
     *,
     causal: bool = False,
     scale: Optional[float] = None,
-    key_padding_mask: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Scaled dot-product (softmax) attention, written out with its full T×T matrix.
 
@@ -46,8 +47,10 @@ def softmax_attention(
         Query ``i`` sees keys ``j <= i`` only (needs ``Tq == Tk``).
     scale : float, optional
         Multiplies the scores; default ``1/sqrt(D)``.
-    key_padding_mask : Tensor, optional
-        ``(B, Tk)`` bool, True for real tokens; padded keys get zero weight.
+    attention_mask : Tensor, optional
+        ``(B, Tk)`` bool, or integer holding 0/1: True (1) for real tokens, False (0) for
+        padding, as Hugging Face's ``attention_mask`` (PyTorch's ``key_padding_mask`` means the
+        opposite and is refused by name). Padded keys get zero weight.
 
     Returns
     -------
@@ -65,7 +68,7 @@ def softmax_attention(
     """
     _checks.check_qkv(q, k, v, causal=causal)
     causal = _checks.check_bool(causal, "causal")
-    _checks.check_key_padding_mask(key_padding_mask, k)
+    attention_mask = _checks.check_attention_mask(attention_mask, k)
     acc = _checks.accumulation_dtype(q.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -75,14 +78,15 @@ def softmax_attention(
     visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
     if causal:
         visible = visible.tril()                                        # (Tq, Tk)
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask[:, None, None, :]          # (B, 1, Tq, Tk)
+    if attention_mask is not None:
+        visible = visible & attention_mask[:, None, None, :]          # (B, 1, Tq, Tk)
     scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)  # rows with no key
     return (weights @ v.to(acc)).to(q.dtype)                           # (B, H, Tq, Dv)
 
 
+@_checks.reject_key_padding_mask
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -94,7 +98,7 @@ def linear_attention(
     eps: float = 1e-6,
     method: str = "auto",
     chunk_size: int = 64,
-    key_padding_mask: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
     initial_state: Optional[LinearAttentionState] = None,
     return_state: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
@@ -144,8 +148,10 @@ def linear_attention(
         One of ``"auto"``, ``"parallel"``, ``"quadratic"``, ``"recurrent"``, ``"chunk"``.
     chunk_size : int
         Tokens per chunk for ``method="chunk"``; ``T`` need not be a multiple of it.
-    key_padding_mask : Tensor, optional
-        ``(B, Tk)`` bool, True for real tokens. Padded keys contribute nothing: the mask
+    attention_mask : Tensor, optional
+        ``(B, Tk)`` bool, or integer holding 0/1: True (1) for real tokens, False (0) for
+        padding, as Hugging Face's ``attention_mask`` (PyTorch's ``key_padding_mask`` means the
+        opposite and is refused by name). Padded keys contribute nothing: the mask
         zeroes ``φ(k)`` after the feature map (zeroing ``k`` first would not do, since
         ``elu(0) + 1 = 1``).
     initial_state : LinearAttentionState, optional
@@ -183,14 +189,14 @@ def linear_attention(
     acc = _checks.accumulation_dtype(q.dtype)
     eps = _checks.check_eps(eps, acc)
     chunk_size = _checks.check_chunk_size(chunk_size)
-    _checks.check_key_padding_mask(key_padding_mask, k)
+    attention_mask = _checks.check_attention_mask(attention_mask, k)
     method = _resolve_method(method, causal)
 
     phi = resolve_feature_map(feature_map)
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
     v32 = v.to(acc)
-    if key_padding_mask is not None:                                       # mask after φ; padded keys
-        keep = key_padding_mask[:, None, :, None]                          # and values contribute 0,
+    if attention_mask is not None:                                       # mask after φ; padded keys
+        keep = attention_mask[:, None, :, None]                          # and values contribute 0,
         phi_k = torch.where(keep, phi_k, 0.0)                              # even if they hold inf/NaN
         v32 = torch.where(keep, v32, 0.0)
     B, H, _, M = phi_k.shape

@@ -326,8 +326,9 @@ def _check_state_exchange(state_exchange) -> str:
 # ---------------------------------------------------------------------------------------
 
 
+@_checks.reject_key_padding_mask
 def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, None] = "elu+1",
-                key_padding_mask: Optional[Tensor] = None) -> LinearAttentionState:
+                attention_mask: Optional[Tensor] = None) -> LinearAttentionState:
     """The state contributed by one slice of keys and values: ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)``.
 
     Katharopoulos et al. (2020), eq. 18, summed over the slice instead of a prefix. The
@@ -342,8 +343,10 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
         ``(B, H, T, Dv)`` values, same dtype and device.
     feature_map : str, callable or None
         φ, as in :func:`linattn.linear_attention`.
-    key_padding_mask : Tensor, optional
-        ``(B, T)`` bool, True for real tokens; padded keys contribute nothing.
+    attention_mask : Tensor, optional
+        ``(B, T)`` bool, or integer holding 0/1: True (1) for real tokens, False (0) for
+        padding, as Hugging Face's ``attention_mask`` (PyTorch's ``key_padding_mask`` means the
+        opposite and is refused by name). Padded keys contribute nothing.
 
     Returns
     -------
@@ -368,15 +371,15 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
             f"k and v must share batch, heads and seq (dims 0-2), got k {_checks.shape_str(k.shape)} "
             f"and v {_checks.shape_str(v.shape)}"
         )
-    _checks.check_key_padding_mask(key_padding_mask, k)
+    attention_mask = _checks.check_attention_mask(attention_mask, k)
     acc = _checks.accumulation_dtype(k.dtype)
     phi = resolve_feature_map(feature_map)
     k_acc, v_acc = k.to(acc), v.to(acc)
     phi_k = k_acc if phi is None else phi(k_acc)                       # (B, H, T, M)
     _checks.check_features(phi_k, k_acc, "k")
     phi_k = phi_k.to(acc)
-    if key_padding_mask is not None:
-        keep = key_padding_mask[:, None, :, None]
+    if attention_mask is not None:
+        keep = attention_mask[:, None, :, None]
         phi_k, v_acc = torch.where(keep, phi_k, 0.0), torch.where(keep, v_acc, 0.0)
     return LinearAttentionState(phi_k.transpose(-1, -2) @ v_acc,       # (B, H, M, Dv)
                                 phi_k.sum(dim=-2))                     # (B, H, M)
@@ -439,6 +442,7 @@ class _SumOverRanks(torch.autograd.Function):
         return _all_reduce_sum(grad, ctx.ranks, "state_grad"), None
 
 
+@_checks.reject_key_padding_mask
 def sequence_parallel_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -451,7 +455,7 @@ def sequence_parallel_linear_attention(
     eps: float = 1e-6,
     method: str = "auto",
     chunk_size: int = 64,
-    key_padding_mask: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
     state_exchange: str = "allgather",
     return_state: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
@@ -481,7 +485,7 @@ def sequence_parallel_linear_attention(
     and :func:`linattn.elu_plus_one` on another agree), any other callable by its class. A
     feature map's parameters (a Performer projection, Hedgehog weights) are *not*
     compared: they must be equal on every rank (same seed, or broadcast them). Free to
-    differ between ranks: the sequence lengths, ``key_padding_mask`` and ``return_state``
+    differ between ranks: the sequence lengths, ``attention_mask`` and ``return_state``
     (local to each rank), ``method`` and ``chunk_size`` (they only choose how a rank
     computes its own slice; the results agree up to rounding), and ``state_exchange`` when
     ``causal=False``.
@@ -496,7 +500,7 @@ def sequence_parallel_linear_attention(
         ``(B, H, Tk, Dv)``, this rank's values.
     group : torch.distributed.ProcessGroup, optional
         The ranks that share the sequence, in sequence order; the default group if None.
-    feature_map, causal, normalize, eps, method, chunk_size, key_padding_mask
+    feature_map, causal, normalize, eps, method, chunk_size, attention_mask
         As in :func:`linattn.linear_attention`, applied to this rank's slice (``method``
         and ``chunk_size`` choose the local algorithm; the mask is ``(B, Tk)`` for the slice).
         There is no ``initial_state``: rank 0 starts from zero.
@@ -553,7 +557,7 @@ def sequence_parallel_linear_attention(
         state_exchange = _check_state_exchange(state_exchange)
         phi = resolve_feature_map(feature_map)
         feature_map_name = _feature_map_name(phi)
-        local = local_state(k, v, feature_map=phi, key_padding_mask=key_padding_mask)
+        local = local_state(k, v, feature_map=phi, attention_mask=attention_mask)
         B, H, Tq, D = q.shape
         M, Dv = local.S.shape[-2:]
         fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
@@ -572,7 +576,7 @@ def sequence_parallel_linear_attention(
         incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
     return linear_attention(
         q, k, v, feature_map=phi, causal=causal, normalize=normalize, eps=eps, method=method,
-        chunk_size=chunk_size, key_padding_mask=key_padding_mask,
+        chunk_size=chunk_size, attention_mask=attention_mask,
         initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
 
 

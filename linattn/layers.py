@@ -2,7 +2,7 @@
 
 :class:`LinearAttention` (Katharopoulos et al., 2020) and :class:`SoftmaxAttention`
 (Vaswani et al., 2017) are drop-in replacements for each other: same constructor, same
-``forward(x, *, key_padding_mask, state, return_state)``. Both share key-value heads
+``forward(x, *, attention_mask, state, return_state)``. Both share key-value heads
 between groups of query heads through ``n_kv_heads`` (multi-query attention,
 Shazeer 2019, when ``n_kv_heads=1``; grouped-query attention, Ainslie et al. 2023, in
 between). Both decode one token at a time from a ``state``: for linear attention the
@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _checks
 from ._checks import shape_str
 from .attention import linear_attention
 from .feature_maps import FeatureMap, resolve_feature_map
@@ -58,7 +59,7 @@ class KVCache:
     k, v : Tensor
         ``(B, H_kv, T, head_dim)``, the keys and values of every token seen so far, per
         key-value head (grouped heads are cached once, not once per query head).
-    key_padding_mask : Tensor
+    attention_mask : Tensor
         ``(B, T)`` bool, True for real tokens; cached padding is never attended to.
 
     Its size, ``2·B·H_kv·T·head_dim`` numbers, grows by one key and one value per token:
@@ -75,7 +76,7 @@ class KVCache:
 
     k: Tensor
     v: Tensor
-    key_padding_mask: Tensor
+    attention_mask: Tensor
 
     def __post_init__(self) -> None:
         for name, t in (("state.k", self.k), ("state.v", self.v)):
@@ -86,12 +87,12 @@ class KVCache:
         if self.k.shape != self.v.shape:
             raise ValueError(f"state.k and state.v must have one shape, got {shape_str(self.k.shape)} "
                              f"and {shape_str(self.v.shape)}")
-        m = self.key_padding_mask
+        m = self.attention_mask
         if not isinstance(m, Tensor) or m.dtype != torch.bool:
-            raise TypeError(f"state.key_padding_mask must be a bool torch.Tensor, got {_describe(m)}")
+            raise TypeError(f"state.attention_mask must be a bool torch.Tensor, got {_describe(m)}")
         expected = (self.k.shape[0], self.k.shape[2])
         if tuple(m.shape) != expected:
-            raise ValueError(f"state.key_padding_mask must have shape (batch, seq) = {shape_str(expected)}, "
+            raise ValueError(f"state.attention_mask must have shape (batch, seq) = {shape_str(expected)}, "
                              f"got {shape_str(m.shape)}")
 
     @property
@@ -102,7 +103,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Memory held by the cache, in bytes (keys, values and mask); grows linearly with ``seq_len``."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.key_padding_mask))
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.attention_mask))
 
 
 @dataclass
@@ -177,7 +178,8 @@ class _MultiHeadProjections(nn.Module):
         """(B, H_kv, T, ...) -> (B, H, T, ...): query head ``h`` uses key-value head ``h // group_size``."""
         return t if self.group_size == 1 else t.repeat_interleave(self.group_size, dim=1)
 
-    def _check_inputs(self, x, key_padding_mask, return_state) -> None:
+    def _check_inputs(self, x, attention_mask, return_state) -> Optional[Tensor]:
+        """Check the arguments of ``forward``; returns the attention mask as bool (or None)."""
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {_describe(x)}")
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[0] == 0 or x.shape[1] == 0:
@@ -188,8 +190,8 @@ class _MultiHeadProjections(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
         if x.device != weight.device:
             raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
-        _check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
         _check_bool(return_state, "return_state")
+        return _check_attention_mask(attention_mask, x.shape[0], x.shape[1], x.device)
 
 
 class LinearAttention(_MultiHeadProjections):
@@ -258,7 +260,8 @@ class LinearAttention(_MultiHeadProjections):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+    @_checks.reject_key_padding_mask
+    def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[LinearAttentionState] = None, return_state: bool = False
                 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
         """Attend over ``x`` (and the tokens summarised by ``state``).
@@ -267,8 +270,9 @@ class LinearAttention(_MultiHeadProjections):
         ----------
         x : Tensor
             ``(B, T, d_model)``, in the parameters' dtype and on their device.
-        key_padding_mask : Tensor, optional
-            ``(B, T)`` bool, True for real tokens. Padded tokens add nothing to any output
+        attention_mask : Tensor, optional
+            ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name). Padded tokens add nothing to any output
             or to the returned state (their own outputs are meaningless).
         state : LinearAttentionState, optional
             The state after earlier tokens: ``S`` ``(B, H_kv, M, head_dim)``, ``z``
@@ -295,7 +299,7 @@ class LinearAttention(_MultiHeadProjections):
             shapes do not match ``(B, H_kv, M, head_dim)``; a state with a position-dependent
             feature map.
         """
-        self._check_inputs(x, key_padding_mask, return_state)
+        attention_mask = self._check_inputs(x, attention_mask, return_state)
         phi = self.feature_map
         if state is not None and getattr(phi, "position_dependent", False):
             raise ValueError(
@@ -307,7 +311,7 @@ class LinearAttention(_MultiHeadProjections):
         self._check_state(state, x, phi_k.shape[-1])
         state = self._expand_state(state)                                 # per query head: (B, H, M, D)
         phi_k, v = self._repeat_kv(phi_k), self._repeat_kv(v)             # (B, H, T, M), (B, H, T, D)
-        if self.causal and x.shape[1] == 1 and key_padding_mask is None:  # one new token: the recurrence
+        if self.causal and x.shape[1] == 1 and attention_mask is None:  # one new token: the recurrence
             y, state = linear_attention_step(
                 phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                 feature_map=None, normalize=self.normalize, eps=self.eps)  # (B, H, D)
@@ -315,7 +319,7 @@ class LinearAttention(_MultiHeadProjections):
         else:
             y = linear_attention(
                 phi_q, phi_k, v, feature_map=None, causal=self.causal, normalize=self.normalize,
-                eps=self.eps, chunk_size=self.chunk_size, key_padding_mask=key_padding_mask,
+                eps=self.eps, chunk_size=self.chunk_size, attention_mask=attention_mask,
                 initial_state=state, return_state=return_state)           # (B, H, T, D)
             if return_state:
                 y, state = y
@@ -385,7 +389,8 @@ class SoftmaxAttention(_MultiHeadProjections):
                  causal: bool = False, bias: bool = False) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+    @_checks.reject_key_padding_mask
+    def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[KVCache] = None, return_state: bool = False
                 ) -> Union[Tensor, tuple[Tensor, KVCache]]:
         """Attend over the cached tokens and ``x``.
@@ -394,8 +399,9 @@ class SoftmaxAttention(_MultiHeadProjections):
         ----------
         x : Tensor
             ``(B, T, d_model)``, in the parameters' dtype and on their device.
-        key_padding_mask : Tensor, optional
-            ``(B, T)`` bool, True for real tokens; padded keys get zero weight, and a query
+        attention_mask : Tensor, optional
+            ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); padded keys get zero weight, and a query
             that sees no real key (left padding) outputs zeros.
         state : KVCache, optional
             Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)``; when causal
@@ -419,16 +425,16 @@ class SoftmaxAttention(_MultiHeadProjections):
             ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a cache whose
             shape or dtype does not match.
         """
-        self._check_inputs(x, key_padding_mask, return_state)
+        attention_mask = self._check_inputs(x, attention_mask, return_state)
         self._check_state(state, x)
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
-        mask = key_padding_mask if key_padding_mask is not None else x.new_ones(B, T, dtype=torch.bool)
+        mask = attention_mask if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
         if state is not None:
             k = torch.cat([state.k, k], dim=2)                            # (B, H_kv, P + T, D)
             v = torch.cat([state.v, v], dim=2)
-            mask = torch.cat([state.key_padding_mask, mask], dim=1)       # (B, P + T)
-        if state is None and key_padding_mask is None:                    # plain (causal) attention
+            mask = torch.cat([state.attention_mask, mask], dim=1)       # (B, P + T)
+        if state is None and attention_mask is None:                    # plain (causal) attention
             y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=self.causal)
         else:
             allowed, empty = self._allowed(mask, T)                       # (B, 1, T, P + T), (B, 1, T, 1)
@@ -459,7 +465,7 @@ class SoftmaxAttention(_MultiHeadProjections):
                 f"head_dim={self.head_dim}), got {shape_str(state.k.shape)}")
         if state.k.dtype != x.dtype:
             raise TypeError(f"state holds {state.k.dtype} keys but x is {x.dtype}")
-        if state.k.device != x.device or state.key_padding_mask.device != x.device:
+        if state.k.device != x.device or state.attention_mask.device != x.device:
             raise ValueError(f"state is on {state.k.device} but x is on {x.device}")
 
 
@@ -525,9 +531,10 @@ class TransformerBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
                                  nn.Linear(mlp_ratio * d_model, d_model))
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, state=None,
+    @_checks.reject_key_padding_mask
+    def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None, state=None,
                 return_state: bool = False):
-        """``(B, T, d_model) -> (B, T, d_model)``; ``key_padding_mask``, ``state`` and
+        """``(B, T, d_model) -> (B, T, d_model)``; ``attention_mask``, ``state`` and
         ``return_state`` are passed to the attention layer (see :meth:`LinearAttention.forward`
         and :meth:`SoftmaxAttention.forward`, whose errors it raises).
 
@@ -538,7 +545,7 @@ class TransformerBlock(nn.Module):
         state : LinearAttentionState or KVCache
             Only if ``return_state``.
         """
-        a = self.attn(self.ln_1(x), key_padding_mask=key_padding_mask, state=state,
+        a = self.attn(self.ln_1(x), attention_mask=attention_mask, state=state,
                       return_state=return_state)                         # (B, T, d_model)
         if return_state:
             a, state = a
@@ -640,7 +647,8 @@ class TransformerLM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: Tensor, *, key_padding_mask: Optional[Tensor] = None,
+    @_checks.reject_key_padding_mask
+    def forward(self, idx: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[DecodingState] = None, return_state: bool = False
                 ) -> Union[Tensor, tuple[Tensor, DecodingState]]:
         """Next-token logits for every position of ``idx`` (continuing from ``state``).
@@ -649,8 +657,9 @@ class TransformerLM(nn.Module):
         ----------
         idx : Tensor
             ``(B, T)`` int64 token ids in ``[0, vocab_size)``.
-        key_padding_mask : Tensor, optional
-            ``(B, T)`` bool, True for real tokens. Positions count real tokens only, so a
+        attention_mask : Tensor, optional
+            ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name). Positions count real tokens only, so a
             left-padded prompt is processed exactly as the same prompt alone.
         state : DecodingState, optional
             From an earlier call with ``return_state=True``: ``idx`` continues those sequences.
@@ -682,11 +691,11 @@ class TransformerLM(nn.Module):
         if int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size:
             raise ValueError(f"idx must hold token ids in [0, {cfg.vocab_size}), got values in "
                              f"[{int(idx.min())}, {int(idx.max())}]")
-        _check_key_padding_mask(key_padding_mask, B, T, idx.device)
+        attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
         _check_bool(return_state, "return_state")
         start = self._check_state(state, B, idx.device)                   # (B,)
-        steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if key_padding_mask is None
-                 else key_padding_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
+        steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if attention_mask is None
+                 else attention_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
         pos = (start[:, None] + steps - 1).clamp_min(0)                   # (B, T) padding before a prompt: 0
         if int(pos.max()) >= cfg.max_len:
             raise ValueError(f"a sequence reached position {int(pos.max())} but the model has max_len="
@@ -694,7 +703,7 @@ class TransformerLM(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)                         # (B, T, d_model)
         layer_states = []
         for i, block in enumerate(self.blocks):
-            out = block(x, key_padding_mask=key_padding_mask, state=None if state is None else state.layers[i],
+            out = block(x, attention_mask=attention_mask, state=None if state is None else state.layers[i],
                         return_state=return_state)
             x, s = out if return_state else (out, None)
             layer_states.append(s)
@@ -732,8 +741,9 @@ class TransformerLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @torch.no_grad()
+    @_checks.reject_key_padding_mask
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
-                 *, key_padding_mask: Optional[Tensor] = None, generator: Optional[torch.Generator] = None) -> Tensor:
+                 *, attention_mask: Optional[Tensor] = None, generator: Optional[torch.Generator] = None) -> Tensor:
         """Continue each prompt by ``max_new_tokens`` tokens, one at a time, from the decoding state.
 
         The prompt is processed in one parallel pass that returns the state (the recurrent
@@ -745,15 +755,16 @@ class TransformerLM(nn.Module):
         ----------
         idx : Tensor
             ``(B, T)`` int64 prompts. Prompts of different lengths are left-padded: pad ids
-            (any valid id) first, marked False in ``key_padding_mask``.
+            (any valid id) first, marked False in ``attention_mask``.
         max_new_tokens : int
             Tokens to generate, ``>= 0``.
         temperature : float
             ``> 0`` to sample; ``0`` for greedy decoding (the most likely token every step).
         top_k : int, optional
             Sample among the ``top_k`` most likely tokens only.
-        key_padding_mask : Tensor, optional
-            ``(B, T)`` bool, True for real tokens; each row must be False then True (left
+        attention_mask : Tensor, optional
+            ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); each row must be False then True (left
             padding) with at least one True.
         generator : torch.Generator, optional
             Random source of the draws (on the model's device).
@@ -784,19 +795,19 @@ class TransformerLM(nn.Module):
         if top_k is not None:
             _check_int(top_k, "top_k")
         if isinstance(idx, Tensor) and idx.dim() == 2:
-            _check_key_padding_mask(key_padding_mask, idx.shape[0], idx.shape[1], idx.device)
-        if key_padding_mask is not None:
-            left_padded = (key_padding_mask[:, 1:] >= key_padding_mask[:, :-1]).all() & key_padding_mask[:, -1].all()
+            attention_mask = _check_attention_mask(attention_mask, idx.shape[0], idx.shape[1], idx.device)
+        if attention_mask is not None:
+            left_padded = (attention_mask[:, 1:] >= attention_mask[:, :-1]).all() & attention_mask[:, -1].all()
             if not bool(left_padded):
-                raise ValueError("key_padding_mask must describe left padding (each row False... then True..., "
+                raise ValueError("attention_mask must describe left padding (each row False... then True..., "
                                  "ending in a real token) for generate")
         if max_new_tokens == 0:
             return idx.clone()
-        longest = idx.shape[1] if key_padding_mask is None else int(key_padding_mask.sum(dim=1).max())
+        longest = idx.shape[1] if attention_mask is None else int(attention_mask.sum(dim=1).max())
         if longest + max_new_tokens - 1 > self.config.max_len:
             raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
                              f"{longest + max_new_tokens - 1} positions but max_len={self.config.max_len}")
-        logits, state = self(idx, key_padding_mask=key_padding_mask, return_state=True)  # (B, T, V)
+        logits, state = self(idx, attention_mask=attention_mask, return_state=True)  # (B, T, V)
         new = []
         for i in range(max_new_tokens):
             nxt = self._pick(logits[:, -1], temperature, top_k, generator)                # (B, 1)
@@ -840,13 +851,6 @@ def _check_bool(value, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_key_padding_mask(mask, batch: int, seq: int, device) -> None:
-    if mask is None:
-        return
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be a bool tensor (True = real token), got {_describe(mask)}")
-    if tuple(mask.shape) != (batch, seq):
-        raise ValueError(f"key_padding_mask must have shape (batch, seq) = ({batch}, {seq}), "
-                         f"got {shape_str(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"key_padding_mask is on {mask.device} but the input is on {device}")
+def _check_attention_mask(mask, batch: int, seq: int, device) -> Optional[Tensor]:
+    """A ``(batch, seq)`` bool or 0/1 integer mask (True/1 = real token) as bool, or None."""
+    return _checks.attention_mask_as_bool(mask, batch, seq, device)

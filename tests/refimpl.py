@@ -38,7 +38,7 @@ def ref_linear_attention(
     causal=False,
     normalize=True,
     eps=1e-6,
-    key_padding_mask=None,
+    attention_mask=None,
     initial_state=None,
 ):
     """The masked quadratic form, computed in float64 (differentiable).
@@ -59,8 +59,8 @@ def ref_linear_attention(
         assert Tq == Tk
         visible = visible & torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
     keymask = torch.ones(B, Tk, dtype=torch.bool, device=q.device)
-    if key_padding_mask is not None:
-        keymask = key_padding_mask.bool()
+    if attention_mask is not None:
+        keymask = attention_mask.bool()
         visible = visible & keymask[:, None, None, :]
     a = torch.where(visible, a, torch.zeros((), dtype=a.dtype))
     num = a @ v
@@ -99,7 +99,7 @@ def ref_linear_attention_big_causal(q, k, v, *, feature_map="elu+1", eps=1e-6):
     return num / den.clamp_min(eps)[..., None]
 
 
-def ref_softmax_attention(q, k, v, *, causal=False, scale=None, key_padding_mask=None):
+def ref_softmax_attention(q, k, v, *, causal=False, scale=None, attention_mask=None):
     """Softmax attention in float64; query rows with no visible key give 0."""
     q, k, v = q.double(), k.double(), v.double()
     D = q.shape[-1]
@@ -109,8 +109,8 @@ def ref_softmax_attention(q, k, v, *, causal=False, scale=None, key_padding_mask
     visible = torch.ones(B, 1, Tq, Tk, dtype=torch.bool)
     if causal:
         visible = visible & torch.ones(Tq, Tk, dtype=torch.bool).tril()
-    if key_padding_mask is not None:
-        visible = visible & key_padding_mask.bool()[:, None, None, :]
+    if attention_mask is not None:
+        visible = visible & attention_mask.bool()[:, None, None, :]
     s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -270,9 +270,9 @@ def test_padding_mask_matches_unpadded_sequences(causal, method, left, normalize
     T, lengths = 70, [70, 61, 33, 1]
     seqs, (q, k, v), mask = _padded_batch(lengths, T, 6, 4, left=left, seed=9)
     out, state = _la(
-        q, k, v, causal, method, key_padding_mask=mask, chunk_size=16, normalize=normalize, return_state=True
+        q, k, v, causal, method, attention_mask=mask, chunk_size=16, normalize=normalize, return_state=True
     )
-    ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=causal, key_padding_mask=mask, normalize=normalize)
+    ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=causal, attention_mask=mask, normalize=normalize)
     torch.testing.assert_close(out, ref, **TIGHT)
     torch.testing.assert_close(state.S, S_ref, **TIGHT)
     torch.testing.assert_close(state.z, z_ref, **TIGHT)
@@ -290,8 +290,8 @@ def test_padding_mask_gradients(causal, method):
     _, (q, k, v), mask = _padded_batch([40, 29, 7], 40, 5, 3, left=True, seed=4)
     for x in (q, k, v):
         x.requires_grad_(True)
-    _check_values_and_grads(q, k, v, causal, method, key_padding_mask=mask, chunk_size=16)
-    out = _la(q, k, v, causal, method, key_padding_mask=mask, chunk_size=16)
+    _check_values_and_grads(q, k, v, causal, method, attention_mask=mask, chunk_size=16)
+    out = _la(q, k, v, causal, method, attention_mask=mask, chunk_size=16)
     dk, dv = torch.autograd.grad(out.sum(), (k, v))
     pad = ~mask[:, None, :, None]
     assert torch.count_nonzero(dk * pad) == 0 and torch.count_nonzero(dv * pad) == 0
@@ -309,7 +309,7 @@ def test_cross_attention(method, Tq, Tk):
     _check_values_and_grads(q, k, v, False, method)
     mask = torch.rand(2, Tk, generator=torch.Generator().manual_seed(0)) > 0.3
     mask[:, 0] = True
-    _check_values_and_grads(q, k, v, False, method, key_padding_mask=mask)
+    _check_values_and_grads(q, k, v, False, method, attention_mask=mask)
     out = _la(q, k, v, False, method)
     assert out.shape == (2, 3, Tq, 7)
 
@@ -613,8 +613,8 @@ def test_softmax_cross_attention_with_mask(Tq, Tk):
     mask = torch.ones(3, Tk, dtype=torch.bool)
     mask[1, : Tk // 2] = False
     mask[2, :] = False  # batch element 2 sees no key at all -> its outputs are 0
-    out = linattn.softmax_attention(q, k, v, key_padding_mask=mask)
-    ref = ref_softmax_attention(q, k, v, key_padding_mask=mask)
+    out = linattn.softmax_attention(q, k, v, attention_mask=mask)
+    ref = ref_softmax_attention(q, k, v, attention_mask=mask)
     torch.testing.assert_close(out, ref, **TIGHT)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert torch.isfinite(out).all()
@@ -624,8 +624,8 @@ def test_softmax_left_padded_causal_rows_without_keys_are_zero():
     q, k, v = rand_qkv(2, 2, 12, 4, 3, seed=3, requires_grad=True)
     mask = torch.ones(2, 12, dtype=torch.bool)
     mask[1, :5] = False
-    out = linattn.softmax_attention(q, k, v, causal=True, key_padding_mask=mask)
-    ref = ref_softmax_attention(q, k, v, causal=True, key_padding_mask=mask)
+    out = linattn.softmax_attention(q, k, v, causal=True, attention_mask=mask)
+    ref = ref_softmax_attention(q, k, v, causal=True, attention_mask=mask)
     torch.testing.assert_close(out, ref, **TIGHT)
     assert torch.equal(out[1, :, :5], torch.zeros_like(out[1, :, :5]))
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
@@ -649,7 +649,7 @@ def test_softmax_with_padding_matches_sdpa():
     q, k, v = rand_qkv(2, 2, 10, 8, 8, Tk=14, dtype=torch.float32, seed=1)
     mask = torch.ones(2, 14, dtype=torch.bool)
     mask[0, 9:] = False
-    out = linattn.softmax_attention(q, k, v, key_padding_mask=mask)
+    out = linattn.softmax_attention(q, k, v, attention_mask=mask)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
 

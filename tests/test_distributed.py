@@ -148,7 +148,7 @@ def _run_linear(name: str, case: dict, rank: int) -> dict:
     with count_bytes() as counter:
         out = sequence_parallel_linear_attention(
             q, k, v, causal=case["causal"], normalize=case["normalize"], state_exchange=case["exchange"],
-            key_padding_mask=mask, chunk_size=4)
+            attention_mask=mask, chunk_size=4)
         (out.double() * w).sum().backward()
     return dict(out=out.detach(), grads=[x.grad for x in (q, k, v)], bytes=counter.by_op())
 
@@ -246,7 +246,7 @@ def _reference_linear(name: str, case: dict):
         q, k, v = (x.bfloat16().double() for x in (q, k, v))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = linattn.linear_attention(q, k, v, causal=case["causal"], normalize=case["normalize"],
-                                   key_padding_mask=mask)
+                                   attention_mask=mask)
     (out * w).sum().backward()
     return out.detach(), [x.grad for x in (q, k, v)]
 
@@ -391,8 +391,8 @@ def test_local_state_is_the_state_linear_attention_returns():
     q, k = torch.randn(2, B, H, 9, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, H, 9, DV, generator=g, dtype=torch.float64)
     mask = torch.rand(B, 9, generator=g) > 0.5
-    _, want = linattn.linear_attention(q, k, v, causal=True, key_padding_mask=mask, return_state=True)
-    got = local_state(k, v, key_padding_mask=mask)
+    _, want = linattn.linear_attention(q, k, v, causal=True, attention_mask=mask, return_state=True)
+    got = local_state(k, v, attention_mask=mask)
     _close(got.S, want.S, "S")
     _close(got.z, want.z, "z")
     assert local_state(k.half(), v.half()).S.dtype == torch.float32

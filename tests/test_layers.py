@@ -94,9 +94,9 @@ def test_softmax_layer_equals_reference():
     q = layer.q_proj(x).view(2, 10, 4, 6).transpose(1, 2)
     k = layer.k_proj(x).view(2, 10, 1, 6).transpose(1, 2).expand(2, 4, 10, 6)
     v = layer.v_proj(x).view(2, 10, 1, 6).transpose(1, 2).expand(2, 4, 10, 6)
-    y = linattn.softmax_attention(q, k, v, causal=True, key_padding_mask=mask)   # zero rows with no key
+    y = linattn.softmax_attention(q, k, v, causal=True, attention_mask=mask)   # zero rows with no key
     expected = layer.out_proj(y.transpose(1, 2).reshape(2, 10, 24))
-    torch.testing.assert_close(layer(x, key_padding_mask=mask), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer(x, attention_mask=mask), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
@@ -131,7 +131,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(attention,
     model = _model(attention, n_kv_heads)
     prompts = [_ids(n, seed=n) for n in (4, 11, 1, 7)]
     idx, mask = _left_padded(prompts, pad_id=5)
-    out = model.generate(idx, 12, temperature=0.0, key_padding_mask=mask)
+    out = model.generate(idx, 12, temperature=0.0, attention_mask=mask)
     assert out.shape == (4, idx.shape[1] + 12)
     assert torch.equal(out[:, :idx.shape[1]], idx)
     for i, p in enumerate(prompts):
@@ -146,7 +146,7 @@ def test_padding_tokens_do_not_change_logits(attention):
     idx, mask = _left_padded([_ids(5), _ids(9, seed=2)])
     other = idx.masked_fill(~mask, 17)
     with torch.no_grad():
-        a, b = model(idx, key_padding_mask=mask), model(other, key_padding_mask=mask)
+        a, b = model(idx, attention_mask=mask), model(other, attention_mask=mask)
     torch.testing.assert_close(a[mask], b[mask], rtol=0, atol=1e-6)
     assert torch.isfinite(a).all()
 
@@ -194,7 +194,7 @@ def test_state_size_is_constant_and_kv_cache_grows(n_kv_heads):
             assert all(s.S.shape == (B, H_kv, D, D) and s.z.shape == (B, H_kv, D) for s in state.layers)
         else:
             assert all(s.k.shape == s.v.shape == (B, H_kv, 23, D) for s in state.layers)
-            assert all(s.key_padding_mask.shape == (B, 23) for s in state.layers)
+            assert all(s.attention_mask.shape == (B, 23) for s in state.layers)
     assert len(set(sizes["linear"])) == 1                                 # flat
     growth = [b - a for a, b in zip(sizes["softmax"], sizes["softmax"][1:])]
     # per token and layer: one key and one value (float32) per kv head, one mask byte per sequence
@@ -307,10 +307,10 @@ def test_bad_layer_inputs(cls):
         layer(torch.ones(2, 5, 32, dtype=torch.long))
     with pytest.raises(TypeError, match="x has dtype torch.float64"):
         layer(x.double())
-    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, seq\) = \(2, 5\).*\(2, 4\)"):
-        layer(x, key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
-        layer(x, key_padding_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \(batch, seq\) = \(2, 5\).*\(2, 4\)"):
+        layer(x, attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attention_mask must be a bool"):
+        layer(x, attention_mask=torch.ones(2, 5))
     with pytest.raises(TypeError, match="return_state"):
         layer(x, return_state=1)
 
@@ -339,11 +339,11 @@ def test_bad_kv_cache():
     with pytest.raises(ValueError, match=r"state.k and state.v must have shape \(batch=2, n_kv_heads=2"):
         layer(x, state=KVCache(torch.zeros(2, 4, 3, 8), torch.zeros(2, 4, 3, 8), torch.ones(2, 3, dtype=torch.bool)))
     with pytest.raises(TypeError, match="state holds torch.float64"):
-        layer(x, state=KVCache(cache.k.double(), cache.v.double(), cache.key_padding_mask))
-    with pytest.raises(ValueError, match=r"state.key_padding_mask must have shape"):
+        layer(x, state=KVCache(cache.k.double(), cache.v.double(), cache.attention_mask))
+    with pytest.raises(ValueError, match=r"state.attention_mask must have shape"):
         KVCache(cache.k, cache.v, torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="state.k and state.v must have one shape"):
-        KVCache(cache.k, cache.v[:, :, :3], cache.key_padding_mask)
+        KVCache(cache.k, cache.v[:, :, :3], cache.attention_mask)
 
 
 def test_bad_model_inputs():
@@ -354,8 +354,8 @@ def test_bad_model_inputs():
         model(_ids(5))
     with pytest.raises(ValueError, match=r"idx must hold token ids in \[0, 29\)"):
         model(torch.full((1, 3), VOCAB))
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        model(_ids(2, 5), key_padding_mask=torch.ones(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(_ids(2, 5), attention_mask=torch.ones(2, 6, dtype=torch.bool))
     _, state = model(_ids(2, 5), return_state=True)
     with pytest.raises(TypeError, match="state must be a DecodingState"):
         model(_ids(2, 1), state=state.layers)
@@ -367,7 +367,7 @@ def test_bad_model_inputs():
     with pytest.raises(TypeError, match="state must be a KVCache"):
         softmax(_ids(2, 1), state=state)                                    # a linear model's state
     with pytest.raises(ValueError, match="left padding"):
-        model.generate(_ids(2, 5), 3, key_padding_mask=torch.tensor([[True] * 4 + [False]] * 2))
+        model.generate(_ids(2, 5), 3, attention_mask=torch.tensor([[True] * 4 + [False]] * 2))
     with pytest.raises(ValueError, match="temperature"):
         model.generate(_ids(2, 5), 3, temperature=-1.0)
     with pytest.raises(TypeError, match="max_new_tokens"):

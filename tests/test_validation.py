@@ -151,23 +151,23 @@ def test_non_floating_dtype(dtype):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mask_shape", [(B, T + 1), (B, 1, T), (1, T), (B,), (B, H, T), (T, B)])
-def test_key_padding_mask_wrong_shape(mask_shape, causal):
+def test_attention_mask_wrong_shape(mask_shape, causal):
     q, k, v = _qkv()
     mask = torch.ones(mask_shape, dtype=torch.bool)
-    _raises(ValueError, r"key_padding_mask", lambda: LA(q, k, v, key_padding_mask=mask, causal=causal),
+    _raises(ValueError, r"attention_mask", lambda: LA(q, k, v, attention_mask=mask, causal=causal),
             shows=[_shape_text(mask_shape)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_key_padding_mask_wrong_dtype(dtype):
+def test_attention_mask_wrong_dtype(dtype):
     q, k, v = _qkv()
     mask = torch.ones(B, T, dtype=dtype)  # an additive/float mask is not a bool "is real" mask
-    _raises(VT, r"key_padding_mask", lambda: LA(q, k, v, key_padding_mask=mask), shows=[str(dtype).replace("torch.", "")])
+    _raises(VT, r"attention_mask", lambda: LA(q, k, v, attention_mask=mask), shows=[str(dtype).replace("torch.", "")])
 
 
-def test_key_padding_mask_not_a_tensor():
+def test_attention_mask_not_a_tensor():
     q, k, v = _qkv()
-    _raises(TypeError, r"key_padding_mask", lambda: LA(q, k, v, key_padding_mask=[[True] * T] * B))
+    _raises(TypeError, r"attention_mask", lambda: LA(q, k, v, attention_mask=[[True] * T] * B))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -227,7 +227,7 @@ def test_valid_inputs_do_not_raise():
     q, k, v = _qkv()
     for causal in (False, True):
         out, st = LA(q, k, v, causal=causal, return_state=True, initial_state=_state(),
-                     key_padding_mask=torch.ones(B, T, dtype=torch.bool))
+                     attention_mask=torch.ones(B, T, dtype=torch.bool))
         assert out.shape == (B, H, T, DV)
 
 
@@ -289,8 +289,8 @@ def test_softmax_bad_inputs():
     _raises(ValueError, r"\b(k|q)\b", lambda: SA(q, torch.randn(B, H, T, D + 1), v))
     _raises(ValueError, r"\b(v|k)\b", lambda: SA(q, k, torch.randn(B, H, T + 1, DV)))
     _raises(ValueError, r"\b(k|q)\b", lambda: SA(q, torch.randn(1, H, T, D), v))
-    _raises(ValueError, r"key_padding_mask", lambda: SA(q, k, v, key_padding_mask=torch.ones(B, T + 1, dtype=torch.bool)))
-    _raises(VT, r"key_padding_mask", lambda: SA(q, k, v, key_padding_mask=torch.ones(B, T)))
+    _raises(ValueError, r"attention_mask", lambda: SA(q, k, v, attention_mask=torch.ones(B, T + 1, dtype=torch.bool)))
+    _raises(VT, r"attention_mask", lambda: SA(q, k, v, attention_mask=torch.ones(B, T)))
     _raises(TypeError, r"\bv\b", lambda: SA(q, k, v.tolist()))
     _raises(VT, r"\b(q|k)\b", lambda: SA(q, k.double(), v))
 
@@ -351,11 +351,11 @@ def test_padded_keys_and_values_holding_nan_or_inf_contribute_nothing(causal):
     B, T = q.shape[0], q.shape[2]
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[0, T // 2:] = False
-    clean = LA(q, k, v, causal=causal, key_padding_mask=mask)
+    clean = LA(q, k, v, causal=causal, attention_mask=mask)
     k_bad, v_bad = k.clone(), v.clone()
     k_bad[0, :, T // 2:] = float("nan")
     v_bad[0, :, T // 2:] = float("inf")
-    got = LA(q, k_bad, v_bad, causal=causal, key_padding_mask=mask)
+    got = LA(q, k_bad, v_bad, causal=causal, attention_mask=mask)
     torch.testing.assert_close(got, clean, rtol=0, atol=0)
 
 
