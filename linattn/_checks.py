@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._numerics import unwrap
+
 
 def shape_str(shape) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
@@ -98,15 +100,20 @@ def check_bool(x, name: str) -> bool:
 
 
 def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
-    """``x`` is a real number, positive, and representable as a normal number of ``dtype``."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+    """``x`` is a real number, positive, and representable as a normal number of ``dtype``.
+
+    Written with comparisons only (no ``math.isfinite``), so that it also checks the symbolic
+    floats ``torch.compile(dynamic=True)`` passes in.
+    """
+    if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name} must be a float, got {type_name(x)}")
-    try:
-        x = float(x)
-    except OverflowError:
-        raise ValueError(f"{name} must be a positive finite number, got {x}") from None
+    if not isinstance(x, (torch.SymFloat, torch.SymInt)):
+        try:
+            x = float(x)
+        except OverflowError:
+            raise ValueError(f"{name} must be a positive finite number, got {x}") from None
     info = torch.finfo(dtype)
-    if not (x > 0 and math.isfinite(x)):
+    if not (x > 0 and x < math.inf):
         raise ValueError(f"{name} must be a positive finite number, got {x}")
     if not (info.tiny <= x <= info.max):
         raise ValueError(
@@ -159,10 +166,15 @@ def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -
         torch._assert_async(ok.all(), f"{name} must be {need}")
         return
     with torch.no_grad():
+        ok = unwrap(ok)                      # under torch.func transforms: every element's values
         if bool(ok.all()):
             return
         where = tuple(int(i) for i in (~ok).nonzero()[0])
-        got = "" if x is None else f", got {x[where].item()} at index {where}"
+        got = ""
+        if x is not None:
+            x = unwrap(x)
+            got = (f", got {x[where].item()} at index {where}" if x.shape == ok.shape
+                   else f", got {x[~ok.expand_as(x)][0].item()}" if ok.dim() == x.dim() else "")
     raise ValueError(f"{name} must be {need}{got}")
 
 
@@ -209,11 +221,46 @@ def check_features(phi_x: Tensor, x: Tensor, name: str) -> None:
         raise TypeError(f"feature_map must return a torch.Tensor for {name}, got {type(phi_x).__name__}")
     if not phi_x.is_floating_point():
         raise TypeError(f"feature_map returned dtype {phi_x.dtype} for {name}; it must return floats")
+    if phi_x.device != x.device:
+        raise ValueError(f"feature_map returned features of {name} on {phi_x.device}, but {name} is on {x.device}")
     if phi_x.dim() != x.dim() or phi_x.shape[:-1] != x.shape[:-1] or phi_x.shape[-1] == 0:
         raise ValueError(
             f"feature_map must map {name} of shape {shape_str(x.shape)} to (..., M) keeping the "
             f"leading dimensions, got {shape_str(phi_x.shape)}"
         )
+
+
+def position_dependent(phi) -> bool:
+    """Whether the feature map ``phi`` depends on the position of a token (cosFormer): such a map
+    has ``position_dependent = True`` and takes ``offset=`` (the position of the first token)."""
+    return bool(getattr(phi, "position_dependent", False))
+
+
+def check_position_dependent(phi, *, causal: bool, resumed: bool, same_length: bool, caller: str) -> None:
+    """Refuse the uses of a position-dependent map that would give wrong numbers.
+
+    - ``resumed`` (an initial state): the state does not record how many tokens it has seen,
+      so the new tokens would get the features of positions 0, 1, ... again;
+    - no fixed ``max_len`` (``phi.max_len is None``): the features then depend on the length
+      of the input, so in a causal call an earlier output would depend on how many tokens
+      follow it, and queries and keys of different lengths would get different scales.
+    """
+    if not position_dependent(phi):
+        return
+    name = type(phi).__name__
+    if resumed:
+        raise ValueError(
+            f"{caller}: the position-dependent feature_map {name} cannot continue from initial_state: the "
+            "state does not record how many tokens it has seen, so the new tokens would get the features of "
+            "positions 0, 1, ...; compute the features yourself with phi(x, offset=<tokens seen>) and pass "
+            "feature_map=None")
+    if getattr(phi, "max_len", None) is None and (causal or not same_length):
+        why = ("in causal attention an earlier output would change with the number of tokens after it"
+               if causal else "queries and keys of different lengths would get different position scales")
+        raise ValueError(
+            f"{caller}: the position-dependent feature_map {name} needs a fixed max_len here (it has "
+            f"max_len=None, so its features depend on the length of the input and {why}); build it with "
+            f"{name}(max_len=<the longest sequence>)")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

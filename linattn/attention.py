@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from ._numerics import all_finite, compiling, masked_matmul, no_autocast
 from .chunked import chunkwise_linear_attention
 from .feature_maps import FeatureMap, resolve_feature_map
 from .recurrent import LinearAttentionState, check_initial_state, finish, step_features
@@ -56,15 +57,19 @@ def softmax_attention(
     -------
     Tensor
         ``(B, H, Tq, Dv)`` in the input dtype (scores and softmax in float32 for half
-        inputs). A query that sees no key at all (only padding) gets a zero output.
+        inputs, also under ``torch.autocast``). A query that sees no key at all (only
+        padding) gets a zero output. A non-finite key or value reaches only the queries that
+        see it: with ``causal=True`` later tokens never change earlier outputs, and padded
+        slots change nothing, whatever they hold.
 
     Raises
     ------
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a non-numeric scale.
     ValueError
-        Wrong ranks, mismatched batch/heads/dims, causal with ``Tq != Tk``, a mask of the
-        wrong shape, a non-positive or non-finite scale.
+        Wrong ranks, an empty dimension, mismatched batch/heads/dims, causal with
+        ``Tq != Tk``, a mask of the wrong shape or device or an integer mask with values
+        other than 0 and 1, a non-positive or non-finite scale.
     """
     _checks.check_qkv(q, k, v, causal=causal)
     causal = _checks.check_bool(causal, "causal")
@@ -74,16 +79,24 @@ def softmax_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     else:
         scale = _checks.check_positive_float(scale, "scale", acc)
-    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale        # (B, H, Tq, Tk)
-    visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
-    if causal:
-        visible = visible.tril()                                        # (Tq, Tk)
-    if attention_mask is not None:
-        visible = visible & attention_mask[:, None, None, :]          # (B, 1, Tq, Tk)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)  # rows with no key
-    return (weights @ v.to(acc)).to(q.dtype)                           # (B, H, Tq, Dv)
+    with no_autocast(q.device):
+        q_, k_, v_ = q.to(acc), k.to(acc), v.to(acc)
+        scores = (q_ @ k_.transpose(-1, -2)) * scale                    # (B, H, Tq, Tk)
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+        if causal:
+            visible = visible.tril()                                    # (Tq, Tk)
+        if attention_mask is not None:
+            visible = visible & attention_mask[:, None, None, :]        # (B, 1, Tq, Tk)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)  # rows with no key
+        if compiling() or not all_finite(v_):
+            # A NaN/inf value must reach only the queries that see it: not earlier queries
+            # (causal), not any query when it sits in a padded slot (zero weight).
+            out = masked_matmul(weights, v_, visible)
+        else:
+            out = weights @ v_
+    return out.to(q.dtype)                                              # (B, H, Tq, Dv)
 
 
 @_checks.reject_key_padding_mask
@@ -191,12 +204,23 @@ def linear_attention(
     chunk_size = _checks.check_chunk_size(chunk_size)
     attention_mask = _checks.check_attention_mask(attention_mask, k)
     method = _resolve_method(method, causal)
-
     phi = resolve_feature_map(feature_map)
+    _checks.check_position_dependent(phi, causal=causal, resumed=initial_state is not None,
+                                     same_length=q.shape[2] == k.shape[2], caller="linear_attention")
+    with no_autocast(q.device):
+        out, state = _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask,
+                                       initial_state, return_state, acc)
+    out = out.to(q.dtype)
+    return (out, state) if return_state else out
+
+
+def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
+                      return_state, acc):
+    """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
     v32 = v.to(acc)
-    if attention_mask is not None:                                       # mask after φ; padded keys
-        keep = attention_mask[:, None, :, None]                          # and values contribute 0,
+    if attention_mask is not None:                                         # mask after φ; padded keys
+        keep = attention_mask[:, None, :, None]                            # and values contribute 0,
         phi_k = torch.where(keep, phi_k, 0.0)                              # even if they hold inf/NaN
         v32 = torch.where(keep, v32, 0.0)
     B, H, _, M = phi_k.shape
@@ -204,16 +228,16 @@ def linear_attention(
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
         fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size)
-        if fused is not None:
+        # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
+        if fused is not None and (compiling() or all_finite(fused[1])):
             out_aug, S = fused
-            out = finish(out_aug, normalize, eps).to(q.dtype)
-            return (out, LinearAttentionState.from_augmented(S)) if return_state else out
+            out = finish(out_aug, normalize, eps)
+            return out, (LinearAttentionState.from_augmented(S) if return_state else None)
     if method == "chunk":
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
             normalize=normalize, eps=eps, chunk_size=chunk_size)
-        out = out.to(q.dtype)
-        return (out, LinearAttentionState(S, z)) if return_state else out
+        return out, (LinearAttentionState(S, z) if return_state else None)
 
     # The reference algorithms carry the normaliser as an extra value column of ones.
     S0 = None if state0 is None else state0.augmented()                   # (B, H, M, Dv + 1)
@@ -224,10 +248,8 @@ def linear_attention(
         out_aug, S = _quadratic(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
     else:
         out_aug, S = _recurrent(phi_q, phi_k, v_aug, S0)
-    out = finish(out_aug, normalize, eps).to(q.dtype)                      # (B, H, Tq, Dv)
-    if return_state:
-        return out, LinearAttentionState.from_augmented(S)
-    return out
+    out = finish(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
+    return out, (LinearAttentionState.from_augmented(S) if return_state else None)
 
 
 # Set when the fused kernel failed to compile or launch in this process: the message, once.
@@ -300,7 +322,13 @@ def _quadratic(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]
     scores = phi_q @ phi_k.transpose(-1, -2)             # (B, H, Tq, Tk)
     if causal:
         scores = scores.tril()
-    out_aug = scores @ v_aug                             # (B, H, Tq, Dv + 1)
+        if compiling() or not all_finite(v_aug):         # a NaN/inf value must not reach earlier rows
+            causal_ones = torch.ones(scores.shape[-2:], dtype=scores.dtype, device=scores.device).tril()
+            out_aug = masked_matmul(scores, v_aug, causal_ones)
+        else:
+            out_aug = scores @ v_aug                     # (B, H, Tq, Dv + 1)
+    else:
+        out_aug = scores @ v_aug                         # (B, H, Tq, Dv + 1)
     if S0 is not None:
         out_aug = out_aug + phi_q @ S0
     S = None

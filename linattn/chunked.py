@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._numerics import all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
+
 __all__ = ["chunk_linear_attention", "chunkwise_linear_attention"]
 
 
@@ -114,103 +116,207 @@ def _exclusive_suffix_(buf: Tensor, BH: int, N: int, init: Optional[Tensor]) -> 
     return buf[1:], total
 
 
+def _fold(x: Optional[Tensor], in_dim: Optional[int], V: int) -> Optional[Tensor]:
+    """Fold a vmapped dimension into the leading (batch) dimension: (…V at in_dim…) -> (V·B, …)."""
+    if x is None:
+        return None
+    x = x.unsqueeze(0).expand(V, *x.shape) if in_dim is None else x.movedim(in_dim, 0)
+    return x.reshape(V * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def _unfold(x: Optional[Tensor], V: int) -> Optional[Tensor]:
+    """The inverse of :func:`_fold` on outputs: (V·B, …) -> (V, B, …)."""
+    return None if x is None else x.reshape(V, x.shape[0] // V, *x.shape[1:])
+
+
 class _ChunkwiseLinearAttention(torch.autograd.Function):
     """Chunkwise causal linear attention with a hand-written backward.
 
-    When a gradient is needed the forward keeps, besides its inputs, the output, the
-    normaliser, the masked intra-chunk scores ``(B·H·T·C)`` and the states before each
-    chunk ``(B·H·(T/C)·M·(Dv + 1))``: storing them costs two input-sized tensors and saves
-    the backward two of its ten batched matmuls (measured: about 1.2x faster backward on
-    CPU). Everything else, including the reverse scan, is computed in the backward.
+    Besides the output and the final state, the forward returns (as outputs that carry no
+    gradient) what the backward reuses: the output again (padded to whole chunks), the
+    normaliser and where it was used as computed, the masked intra-chunk scores
+    ``(B·H·T·C)`` and the states before each chunk ``(B·H·(T/C)·M·(Dv + 1))``. Storing them
+    costs two input-sized tensors and saves the backward two of its ten batched matmuls
+    (measured: about 1.2x faster backward on CPU). Everything else, including the reverse
+    scan, is computed in the backward, which is itself the autograd.Function
+    :class:`_ChunkwiseLinearAttentionBackward` so that ``torch.func`` transforms compose.
+
+    ``torch.func``: forward and backward each have a ``vmap`` rule (the vmapped dimension is
+    folded into the batch), the forward mode (``jvp``) is derived from the trilinear form
+    with the reference loop :func:`chunk_linear_attention`; double backward is refused.
     """
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
-        ctx.set_materialize_grads(False)   # unused outputs' gradients stay None: no zero tensors
+    def forward(phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int, nan_safe: bool):
         B, H, T, M = phi_q.shape
         Dv = v.shape[-1]
         C = min(chunk_size, T)             # a chunk longer than the sequence only adds padding
         N = -(-T // C)
-        if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
-            pad = (0, 0, 0, N * C - T)
-            phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
-        BH = B * H
-        q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
-        S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
-        z0_ = None if z0 is None else z0.reshape(BH, M)
+        with no_autocast(phi_q.device):
+            if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
+                pad = (0, 0, 0, N * C - T)
+                phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
+            BH = B * H
+            q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
+            S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
+            z0_ = None if z0 is None else z0.reshape(BH, M)
 
-        kv = _chunk_buffer(phi_q, BH, N, M, Dv)
-        torch.bmm(k_c.transpose(1, 2), v_c, out=kv[1:])                   # per-chunk φ(K_c)ᵀV_c
-        S_before, S_final = _exclusive_prefix_(kv, BH, N, S0_, (B, H, M, Dv))
-        scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
-        y = phi_q.new_empty(B, H, N * C, Dv)                               # the output, filled in place
-        out = torch.bmm(q_c, S_before, out=y.view(BH * N, C, Dv))          # (BHN, C, Dv): earlier chunks
-        out.baddbmm_(scores, v_c)                                          # + this chunk
-        z_before, z_final = _normaliser_states(k_c, BH, N, M, z0_, (B, H, M))
-        den = None
-        if normalize:
-            den = torch.bmm(q_c, z_before.unsqueeze(-1)).squeeze(-1)      # (BHN, C)
-            den.add_(scores.sum(-1)).clamp_min_(eps)
-            out.div_(den.unsqueeze(-1))
-        del out
-        y_all = y                                  # (B, H, N*C, Dv); saved, as the output itself if T == N*C
-        if N * C != T:
-            y = y[:, :, :T].clone()                 # a tensor of its own, not a view
-        if any(ctx.needs_input_grad[:5]):
-            ctx.save_for_backward(phi_q, phi_k, v, S0, z0, y_all, den, scores, S_before, z_before)
-        ctx.config = (normalize, eps, C, T, N, BH)
-        return y, S_final, z_final
+            kv = _chunk_buffer(phi_q, BH, N, M, Dv)
+            torch.bmm(k_c.transpose(1, 2), v_c, out=kv[1:])                   # per-chunk φ(K_c)ᵀV_c
+            S_before, S_final = _exclusive_prefix_(kv, BH, N, S0_, (B, H, M, Dv))
+            scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
+            y = phi_q.new_empty(B, H, N * C, Dv)                               # the output, filled in place
+            out = torch.bmm(q_c, S_before, out=y.view(BH * N, C, Dv))          # (BHN, C, Dv): earlier chunks
+            if nan_safe:                                                       # + this chunk, causally even
+                out.add_(masked_matmul(scores, v_c, _causal_ones(C, v_c)))     # for non-finite values
+            else:
+                out.baddbmm_(scores, v_c)                                      # + this chunk
+            z_before, z_final = _normaliser_states(k_c, BH, N, M, z0_, (B, H, M))
+            den = den_ok = None
+            if normalize:
+                den = torch.bmm(q_c, z_before.unsqueeze(-1)).squeeze(-1)      # (BHN, C)
+                den.add_(scores.sum(-1))
+                den, den_ok = guarded_normaliser(den, eps)
+                out.div_(den.unsqueeze(-1))
+            del out
+            y_all = y.detach()                          # (B, H, N*C, Dv), saved for the backward
+            if N * C != T:
+                y = y[:, :, :T].clone()                 # a tensor of its own, not a view
+        return y, S_final, z_final, y_all, den, den_ok, scores, S_before, z_before
 
     @staticmethod
-    def backward(ctx, g_out, g_S, g_z):
-        if torch.is_grad_enabled():  # create_graph=True: this backward is not itself differentiable
-            raise RuntimeError(
-                "double backward (create_graph=True) through the chunkwise linear attention is not "
-                "supported; use method='quadratic' or method='recurrent' for higher-order gradients"
-            )
-        phi_q, phi_k, v, S0, z0, y_all, den, scores, S_before, z_before = ctx.saved_tensors
+    def setup_context(ctx, inputs, output):
+        phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, _ = inputs
+        y, S_final, z_final, y_all, den, den_ok, scores, S_before, z_before = output
+        ctx.set_materialize_grads(False)   # unused outputs' gradients stay None: no zero tensors
+        ctx.mark_non_differentiable(*(t for t in output[3:] if t is not None))
+        T = phi_q.shape[2]
+        C = min(chunk_size, T)
+        ctx.config = (normalize, eps, C, T, -(-T // C), phi_q.shape[0] * phi_q.shape[1])
+        ctx.has_state = (S0 is not None, z0 is not None)
+        if any(ctx.needs_input_grad[:5]):
+            ctx.save_for_backward(phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before)
+        ctx.save_for_forward(phi_q, phi_k, v, S0, z0, y, den, den_ok)
+
+    @staticmethod
+    def backward(ctx, g_out, g_S, g_z, *unused):
+        phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before = ctx.saved_tensors
         normalize, eps, C, T, N, BH = ctx.config
-        B, H, Tp, M = phi_q.shape
+        grads = _ChunkwiseLinearAttentionBackward.apply(
+            g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before, normalize, C, T)
+        g_q, g_k, g_v, g_S0, g_z0 = grads
+        has_S0, has_z0 = ctx.has_state
+        return (g_q, g_k, g_v, g_S0 if has_S0 else None, g_z0 if has_z0 else None, None, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, t_q, t_k, t_v, t_S0, t_z0, *unused):
+        phi_q, phi_k, v, S0, z0, y, den, den_ok = ctx.saved_tensors
+        normalize, eps, C, T, N, BH = ctx.config
+        with no_autocast(phi_q.device):
+            ones = torch.ones_like(v[..., :1])
+            v_aug = torch.cat([v, ones], dim=-1)                                  # (B, H, T, Dv + 1)
+            S0_aug = _augmented_state(S0, z0, phi_q, v)
+            zero = torch.zeros_like
+            t_q, t_k = (zero(phi_q) if t_q is None else t_q), (zero(phi_k) if t_k is None else t_k)
+            t_v_aug = torch.cat([zero(v) if t_v is None else t_v, zero(ones)], dim=-1)
+            t_S0_aug = _augmented_state(t_S0, t_z0, phi_q, v) if (t_S0 is not None or t_z0 is not None) else None
+            # out_aug(q, k, v_aug, S0_aug) is linear in q, in k and in (v_aug, S0_aug) separately.
+            d_out = (chunk_linear_attention(t_q, phi_k, v_aug, S0_aug, C)[0]
+                     + chunk_linear_attention(phi_q, t_k, v_aug, None, C)[0]
+                     + chunk_linear_attention(phi_q, phi_k, t_v_aug, t_S0_aug, C)[0])   # (B, H, T, Dv + 1)
+            d_state = t_k.transpose(-1, -2) @ v_aug + phi_k.transpose(-1, -2) @ t_v_aug
+            if t_S0_aug is not None:
+                d_state = d_state + t_S0_aug                                        # (B, H, M, Dv + 1)
+            d_num, d_den = d_out[..., :-1], d_out[..., -1]
+            if normalize:
+                B, H = phi_q.shape[:2]
+                den_t = den.view(B, H, -1)[:, :, :T]
+                ok_t = den_ok.view(B, H, -1)[:, :, :T]
+                d_den = torch.where(ok_t, d_den, 0.0)                               # eps does not move
+                d_y = (d_num - y * d_den.unsqueeze(-1)) / den_t.unsqueeze(-1)
+            else:
+                d_y = d_num
+        return (d_y, d_state[..., :-1].contiguous(), d_state[..., -1].contiguous(),
+                None, None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, nan_safe):
+        V = info.batch_size
+        args = [_fold(x, d, V) for x, d in zip((phi_q, phi_k, v, S0, z0), in_dims[:5])]
+        out = _ChunkwiseLinearAttention.apply(*args, normalize, eps, chunk_size, nan_safe)
+        return tuple(_unfold(o, V) for o in out), tuple(None if o is None else 0 for o in out)
+
+
+def _augmented_state(S: Optional[Tensor], z: Optional[Tensor], phi_q: Tensor, v: Tensor) -> Optional[Tensor]:
+    """``[S, z]`` as one (B, H, M, Dv + 1) tensor; a missing part is zeros (None if both are)."""
+    if S is None and z is None:
+        return None
+    B, H, _, M = phi_q.shape
+    S = phi_q.new_zeros(B, H, M, v.shape[-1]) if S is None else S
+    z = phi_q.new_zeros(B, H, M) if z is None else z
+    return torch.cat([S, z.unsqueeze(-1)], dim=-1)
+
+
+class _ChunkwiseLinearAttentionBackward(torch.autograd.Function):
+    """The backward pass of :class:`_ChunkwiseLinearAttention`, as a Function of its own.
+
+    Its own backward raises (no double backward); it exists so that a ``vmap`` over the
+    backward (``torch.func.jacrev``, per-sample gradients) folds the vmapped dimension into
+    the batch like the forward does. With ``C`` the chunk length (``y = o / d`` when
+    normalised)::
+
+        dL/do = g / d,   dL/dd = -(g · y) / d (zero where eps replaced d)
+        dS_c = Σ_{c' > c} φ(Q_c')ᵀ dO_c' (+ dS_final)          reverse scan over chunks
+        dφ(Q_c) = tril(dO_c V_cᵀ + dd_c 1ᵀ) φ(K_c) + dO_c S_{c-1}ᵀ + dd_c z_{c-1}ᵀ
+        dφ(K_c) = tril(…)ᵀ φ(Q_c) + V_c dS_cᵀ + 1 dz_cᵀ,   dV_c = tril(φ(Q_c)φ(K_c)ᵀ)ᵀ dO_c + φ(K_c) dS_c
+    """
+
+    @staticmethod
+    def forward(g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before,
+                normalize: bool, C: int, T: int):
+        B, H, _, M = phi_q.shape
         Dv = v.shape[-1]
-        q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
-        if g_out is None:
-            g_out = y_all.new_zeros(B, H, T, Dv)
-        if Tp != T:
-            g_out = F.pad(g_out, (0, 0, 0, Tp - T))
-        g_o = g_out.reshape(BH * N, C, Dv)
-        g_den = None
-        if normalize:
-            # y = o / d  =>  dL/do = g / d,  dL/dd = -(g . y) / d  (zero where d was clamped to eps)
-            g_den = (g_o * y_all.view(BH * N, C, Dv)).sum(-1).div_(den).neg_()   # (BHN, C)
-            g_o = g_o / den.unsqueeze(-1)
-            # den was clamped to >= eps: no gradient flows where the clamp was active.
-            g_den = g_den.masked_fill_(den <= eps, 0.0)
+        N = -(-T // C)
+        BH, Tp = B * H, N * C
+        with no_autocast(phi_q.device):
+            if Tp != T:   # the ragged tail, zero-padded as in the forward
+                phi_q, phi_k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (phi_q, phi_k, v))
+            q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
+            if g_out is None:
+                g_out = y_all.new_zeros(B, H, T, Dv)
+            if Tp != T:
+                g_out = F.pad(g_out, (0, 0, 0, Tp - T))
+            g_o = g_out.reshape(BH * N, C, Dv)
+            g_den = None
+            if normalize:
+                # y = o / d  =>  dL/do = g / d,  dL/dd = -(g . y) / d  (zero where d was replaced by eps)
+                g_den = (g_o * y_all.view(BH * N, C, Dv)).sum(-1).div_(den).neg_()   # (BHN, C)
+                g_o = g_o / den.unsqueeze(-1)
+                g_den = g_den.masked_fill_(~den_ok, 0.0)
 
-        # dL/dscores within the chunk (causal part only): g_o v^T (+ g_den 1^T).
-        g_scores = torch.bmm(g_o, v_c.transpose(1, 2))                     # (BHN, C, C)
-        if g_den is not None:
-            g_scores.add_(g_den.unsqueeze(-1))
-        g_scores.tril_()
+            # dL/dscores within the chunk (causal part only): g_o v^T (+ g_den 1^T).
+            g_scores = torch.bmm(g_o, v_c.transpose(1, 2))                     # (BHN, C, C)
+            if g_den is not None:
+                g_scores.add_(g_den.unsqueeze(-1))
+            g_scores.tril_()
 
-        # dφ(q): this chunk's keys, plus the states before the chunk.
-        g_q = torch.bmm(g_scores, k_c)                                     # (BHN, C, M)
-        g_q.baddbmm_(g_o, S_before.transpose(1, 2))
-        if g_den is not None:
-            g_q.baddbmm_(g_den.unsqueeze(-1), z_before.unsqueeze(1))     # outer product g_den z_beforeᵀ
+            # dφ(q): this chunk's keys, plus the states before the chunk.
+            g_q = torch.bmm(g_scores, k_c)                                     # (BHN, C, M)
+            g_q.baddbmm_(g_o, S_before.transpose(1, 2))
+            if g_den is not None:
+                g_q.baddbmm_(g_den.unsqueeze(-1), z_before.unsqueeze(1))     # outer product g_den z_beforeᵀ
 
-        # Reverse scan: gradient of the state each chunk's keys feed, from later queries.
-        gS_init = None if g_S is None else g_S.reshape(BH, M, Dv)
-        qg = _chunk_buffer(phi_q, BH, N, M, Dv)
-        torch.bmm(q_c.transpose(1, 2), g_o, out=qg[: BH * N])              # per-chunk φ(Q_c)ᵀdO_c
-        g_S_after, g_S0 = _exclusive_suffix_(qg, BH, N, gS_init)
-        g_k = torch.bmm(g_scores.transpose(1, 2), q_c)                     # (BHN, C, M)
-        del g_scores
-        g_k.baddbmm_(v_c, g_S_after.transpose(1, 2))
-        g_v = torch.bmm(scores.transpose(1, 2), g_o)                       # (BHN, C, Dv)
-        g_v.baddbmm_(k_c, g_S_after)
-        del g_S_after
-        g_z0 = None
-        if g_den is not None or g_z is not None:
+            # Reverse scan: gradient of the state each chunk's keys feed, from later queries.
+            gS_init = None if g_S is None else g_S.reshape(BH, M, Dv)
+            qg = _chunk_buffer(phi_q, BH, N, M, Dv)
+            torch.bmm(q_c.transpose(1, 2), g_o, out=qg[: BH * N])              # per-chunk φ(Q_c)ᵀdO_c
+            g_S_after, g_S0 = _exclusive_suffix_(qg, BH, N, gS_init)
+            g_k = torch.bmm(g_scores.transpose(1, 2), q_c)                     # (BHN, C, M)
+            del g_scores
+            g_k.baddbmm_(v_c, g_S_after.transpose(1, 2))
+            g_v = torch.bmm(scores.transpose(1, 2), g_o)                       # (BHN, C, Dv)
+            g_v.baddbmm_(k_c, g_S_after)
+            del g_S_after
             qz = _chunk_buffer(phi_q, BH, N, M)
             if g_den is not None:
                 torch.bmm(q_c.transpose(1, 2), g_den.unsqueeze(-1), out=qz[: BH * N].unsqueeze(-1))
@@ -220,16 +326,42 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
             g_z_after, g_z0 = _exclusive_suffix_(qz, BH, N, gz_init)
             g_k.add_(g_z_after.unsqueeze(1))
             del g_z_after
-        return (
-            _unchunk(g_q, B, H, T),
-            _unchunk(g_k, B, H, T),
-            _unchunk(g_v, B, H, T),
-            None if S0 is None else g_S0.view(B, H, M, Dv),
-            None if (z0 is None or g_z0 is None) else g_z0.view(B, H, M),
-            None,
-            None,
-            None,
-        )
+            return (_unchunk(g_q, B, H, T), _unchunk(g_k, B, H, T), _unchunk(g_v, B, H, T),
+                    g_S0.view(B, H, M, Dv), g_z0.view(B, H, M))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # Reached only by a second derivative (create_graph=True, torch.func.hessian, ...): refuse it
+        # loudly rather than let autograd treat these gradients as constants.
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+
+    @staticmethod
+    def vmap(info, in_dims, g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before,
+             normalize, C, T):
+        V = info.batch_size
+        tensors = (g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before)
+        args = [_fold(x, d, V) for x, d in zip(tensors, in_dims[:12])]
+        out = _ChunkwiseLinearAttentionBackward.apply(*args, normalize, C, T)
+        return tuple(_unfold(o, V) for o in out), (0,) * len(out)
+
+
+_NO_SECOND_DERIVATIVE = (
+    "second derivatives (double backward with create_graph=True, torch.func.hessian, forward mode over a "
+    "gradient, ...) through the chunkwise linear attention are not supported; use method='quadratic' or "
+    "method='recurrent' for higher-order gradients")
+
+
+def _causal_ones(C: int, like: Tensor) -> Tensor:
+    """(C, C) lower-triangular 0/1 matrix: query ``i`` of a chunk sees keys ``j <= i``."""
+    return torch.ones(C, C, dtype=like.dtype, device=like.device).tril_()
 
 
 def _normaliser_states(k_c: Tensor, BH: int, N: int, M: int, z0: Optional[Tensor],
@@ -268,7 +400,16 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     scan over chunks for the gradients of the keys and values. Nothing of size
     ``(B, H, T, M, Dv)`` or ``(B, H, T, T)`` is ever formed: the largest intermediates are
     ``(B, H, T, C)`` scores and ``(B, H, T/C, M, Dv)`` chunk states. Double backward is not
-    supported (it raises).
+    supported (it raises); ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``,
+    ``jacrev``, ``jacfwd``) work.
+
+    Causality with non-finite values: in ``tril(φ(Q_c)φ(K_c)ᵀ) V_c`` a NaN or infinity in a
+    later value of the chunk would reach every earlier row (``0 · NaN = NaN``). A non-finite
+    value anywhere makes the final state non-finite, so that is checked (one tiny reduction);
+    only then is the chunk product recomputed with :func:`linattn._numerics.masked_matmul`,
+    which keeps each output entry to what it may see. Under ``torch.compile`` and
+    ``torch.func`` transforms (where a data-dependent branch is not possible) the masked
+    product is always used.
 
     Parameters
     ----------
@@ -279,9 +420,10 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     S0, z0 : Tensor, optional
         ``(B, H, M, Dv)`` and ``(B, H, M)``: the state before the first token (zeros if None).
     normalize : bool
-        Divide by ``max(φ(q_i)ᵀz_i, eps)``.
+        Divide by the normaliser ``φ(q_i)ᵀz_i`` (see :func:`linattn._numerics.guarded_normaliser` for a zero,
+        negative or non-finite one).
     eps : float
-        Positive lower bound of the normaliser.
+        What a zero, negative or non-finite normaliser is replaced by.
     chunk_size : int
         Tokens per chunk; ``T`` need not be a multiple.
 
@@ -290,7 +432,12 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     out : Tensor
         ``(B, H, T, Dv)``.
     S, z : Tensor
-        The state after the last token, ``(B, H, M, Dv)`` and ``(B, H, M)``.
+        The state after the last token, ``(B, H, M, Dv)`` and ``(B, H, M)``, contiguous
+        tensors of their own.
     """
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
-    return _ChunkwiseLinearAttention.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
+    always_safe = compiling()
+    out = _ChunkwiseLinearAttention.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, always_safe)
+    if not always_safe and not all_finite(out[1], out[2]):   # a NaN/inf somewhere: keep it causal
+        out = _ChunkwiseLinearAttention.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, True)
+    return out[0], out[1], out[2]

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
+from ._numerics import all_finite, compiling, masked_matmul, no_autocast
 from .feature_maps import FeatureMap, resolve_feature_map
 
 __all__ = ["retention", "gated_linear_attention", "delta_rule", "METHODS"]
@@ -154,11 +155,10 @@ def retention(
         ``initial_state`` of the wrong shape or device.
     """
     p = _prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
-    gamma_t = _check_gamma(gamma, q, p.acc)
-    if p.method == "recurrent":
-        out, S = _retention_recurrent(p.q, p.k, p.v, gamma_t, p.S0)
-    else:
-        out, S = _retention_chunk(p.q, p.k, p.v, gamma_t, p.S0, p.chunk_size)
+    with no_autocast(q.device):
+        gamma_t = _check_gamma(gamma, q, p.acc)
+        out, S = _run(p, lambda: _retention_recurrent(p.q, p.k, p.v, gamma_t, p.S0),
+                      lambda safe: _retention_chunk(p.q, p.k, p.v, gamma_t, p.S0, p.chunk_size, safe))
     return _finish(out, S, q.dtype, p.return_state)
 
 
@@ -229,12 +229,12 @@ def gated_linear_attention(
     B, H, T, Dk = p.k.shape
     mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
     _check_like_q(log_g, "log_g", (B, H, T, Dk), "(batch, heads, seq, key features)", q, extra=mapped)
-    _check_values(log_g, "log_g", lambda x: torch.isfinite(x) & (x <= 0), "finite and <= 0 (g = exp(log_g) in (0, 1])")
-    log_g = log_g.to(p.acc)
-    if p.method == "recurrent":
-        out, S = _gla_recurrent(p.q, p.k, p.v, log_g, p.S0)
-    else:
-        out, S = _gla_chunk(p.q, p.k, p.v, log_g, p.S0, p.chunk_size)
+    _checks.check_values(torch.isfinite(log_g) & (log_g <= 0), "log_g", "finite and <= 0 (g = exp(log_g) in (0, 1])",
+                         log_g)
+    with no_autocast(q.device):
+        log_g = log_g.to(p.acc)
+        out, S = _run(p, lambda: _gla_recurrent(p.q, p.k, p.v, log_g, p.S0),
+                      lambda safe: _gla_chunk(p.q, p.k, p.v, log_g, p.S0, p.chunk_size, safe))
     return _finish(out, S, q.dtype, p.return_state)
 
 
@@ -305,12 +305,11 @@ def delta_rule(
     p = _prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
     B, H, T, _ = p.k.shape
     _check_like_q(beta, "beta", (B, H, T), "(batch, heads, seq)", q)
-    _check_values(beta, "beta", lambda x: (x >= 0) & (x <= 2), "in [0, 2]")
-    beta = beta.to(p.acc)
-    if p.method == "recurrent":
-        out, S = _delta_recurrent(p.q, p.k, p.v, beta, p.S0)
-    else:
-        out, S = _delta_chunk(p.q, p.k, p.v, beta, p.S0, p.chunk_size)
+    _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
+    with no_autocast(q.device):
+        beta = beta.to(p.acc)
+        out, S = _run(p, lambda: _delta_recurrent(p.q, p.k, p.v, beta, p.S0),
+                      lambda safe: _delta_chunk(p.q, p.k, p.v, beta, p.S0, p.chunk_size, safe))
     return _finish(out, S, q.dtype, p.return_state)
 
 
@@ -331,7 +330,10 @@ def _prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retu
     p.method = _resolve_method(method)
     p.acc = _checks.accumulation_dtype(q.dtype)
     phi = resolve_feature_map(feature_map)
-    p.q, p.k = _checks.apply_feature_map(phi, q.to(p.acc), k.to(p.acc))      # (B, H, T, Dk)
+    _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
+                                     caller=name)
+    with no_autocast(q.device):
+        p.q, p.k = _checks.apply_feature_map(phi, q.to(p.acc), k.to(p.acc))  # (B, H, T, Dk)
     p.v = v.to(p.acc)                                                       # (B, H, T, Dv)
     B, H, _, Dk = p.k.shape
     p.S0 = _check_state(initial_state, (B, H, Dk, v.shape[-1]), p.acc, q.device)
@@ -382,21 +384,18 @@ def _check_gamma(gamma, q: Tensor, acc: torch.dtype) -> Tensor:
             )
         if gamma.device != q.device:
             raise ValueError(f"gamma is on {gamma.device} but q is on {q.device}")
-        bad = ~((gamma > 0) & (gamma <= 1))
-        if bool(bad.any()):
-            raise ValueError(
-                f"gamma must lie in (0, 1], got {gamma[bad][0].item():g} for head {int(bad.nonzero()[0, 0])}"
-            )
+        _checks.check_values((gamma > 0) & (gamma <= 1), "gamma", "in (0, 1]", gamma)
         gamma_t = gamma.to(acc)
     elif isinstance(gamma, numbers.Real) and not isinstance(gamma, bool):
         value = float(gamma)
         if not (0 < value <= 1):
-            raise ValueError(f"gamma must lie in (0, 1], got {value:g}")
+            raise ValueError(f"gamma must be in (0, 1], got {value:g}")
         gamma_t = torch.full((H,), value, dtype=acc, device=q.device)
     else:
         raise TypeError(f"gamma must be a float or a tensor of shape (heads,), got {_checks.type_name(gamma)}")
-    if bool((gamma_t == 0).any()):  # a positive float64 γ below float32's range
-        raise ValueError(f"gamma underflows to 0 in {acc}; use a gamma >= {torch.finfo(acc).tiny:.3g}")
+    # a positive float64 γ below float32's range
+    _checks.check_values(gamma_t != 0, "gamma", f"a number that does not underflow to 0 in {acc} "
+                         f"(use a gamma >= {torch.finfo(acc).tiny:.3g})", gamma)
     return gamma_t
 
 
@@ -418,13 +417,23 @@ def _check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tenso
         raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
 
 
-def _check_values(x: Tensor, name: str, ok: Callable[[Tensor], Tensor], need: str) -> None:
-    """Every entry of ``x`` satisfies ``ok``; else a ValueError quoting the first offender."""
-    with torch.no_grad():
-        bad = ~ok(x)
-        if bool(bad.any()):
-            where = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name} must be {need}, got {x[where].item()} at index {where}")
+def _run(p: "_Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
+         chunk: Callable[[bool], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The chosen algorithm; the chunk form keeps non-finite values causal.
+
+    A NaN or infinity in a later value or key of a chunk would reach the earlier rows
+    through the chunk's masked products (``0 · NaN = NaN``); it also makes the final state
+    non-finite. So the chunk form runs as usual, and only if its final state is not finite
+    again with its masked products done by :func:`linattn._numerics.masked_matmul` (always
+    so under ``torch.compile`` and ``torch.func``, where the check cannot branch).
+    """
+    if p.method == "recurrent":
+        return recurrent()
+    always_safe = compiling()
+    out, S = chunk(always_safe)
+    if not always_safe and not all_finite(S):
+        out, S = chunk(True)
+    return out, S
 
 
 def _finish(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: bool) -> _Result:
@@ -514,7 +523,7 @@ def _num_chunks(T: int, chunk_size: int) -> tuple[int, int]:
     return C, -(-T // C)
 
 
-def _retention_chunk(q, k, v, gamma, S0, chunk_size):
+def _retention_chunk(q, k, v, gamma, S0, chunk_size, safe=False):
     """Chunkwise retention; gamma (H,) in (0, 1].
 
     Per chunk with ``n`` real tokens (``n = C`` except maybe the last) and ``t, s`` counted
@@ -535,7 +544,11 @@ def _retention_chunk(q, k, v, gamma, S0, chunk_size):
     causal = torch.ones(C, C, dtype=acc, device=dev).tril()            # 0/1, (C, C)
     intra = g3 ** (t[:, None] - t[None, :]).clamp(min=0).to(acc) * causal   # (H, C, C): γ^(t−s), s <= t
     scores = (qc @ kc.transpose(-1, -2)) * intra.unsqueeze(1)          # (B, H, N, C, C)
-    out = scores @ vc                                                  # (B, H, N, C, Dv)
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
+        scores = scores.masked_fill(causal == 0, 0.0)
+        out = masked_matmul(scores, vc, causal)                        # (B, H, N, C, Dv)
+    else:
+        out = scores @ vc                                              # (B, H, N, C, Dv)
 
     n_real = (T - torch.arange(N, device=dev) * C).clamp(max=C)        # (N,) real tokens per chunk
     pos = torch.minimum(t[None, :] + 1, n_real[:, None])               # (N, C): 1..n, then n on padding
@@ -549,7 +562,7 @@ def _retention_chunk(q, k, v, gamma, S0, chunk_size):
     return _from_chunks(out, T), S
 
 
-def _gla_chunk(q, k, v, log_g, S0, chunk_size):
+def _gla_chunk(q, k, v, log_g, S0, chunk_size, safe=False):
     """Chunkwise GLA with sub-chunks (see :func:`gated_linear_attention`).
 
     Each chunk is zero-padded to a multiple ``Cp`` of the sub-chunk length ``L``: padded
@@ -601,7 +614,10 @@ def _gla_chunk(q, k, v, log_g, S0, chunk_size):
         W = torch.cat([W * gates[t], k_t[t]], dim=-2)                  # (B, H, N, n_sub, t+1, Dk)
         rows.append(F.pad((W * q_t[t]).sum(-1), (0, L - 1 - t)))       # (B, H, N, n_sub, L)
     A_diag = torch.stack(rows, dim=-2)                                 # (B, H, N, n_sub, L(t), L(s))
-    out = (A_diag @ v_s).view(B, H, N, Cp, Dv)
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
+        out = masked_matmul(A_diag, v_s, sums.inclusive).view(B, H, N, Cp, Dv)
+    else:
+        out = (A_diag @ v_s).view(B, H, N, Cp, Dv)
 
     # Every other factor exp(Σ_{s<r<=t} log_g_r) (s before the sub-chunk of t) is a product
     # of exps of non-positive range sums over disjoint ranges: exp(Σ_{s<r<=e}) to the end e of
@@ -619,8 +635,12 @@ def _gla_chunk(q, k, v, log_g, S0, chunk_size):
         between = (sums.between @ totals).view(B, H, N, n_sub, n_sub, 1, Dk)  # [i, j]: Σ_{j<m<i} totals
         pair = between.exp() * sums.earlier                            # (B, H, N, n_sub(i), n_sub(j), 1, Dk)
         k_rel = (k_end.unsqueeze(3) * pair).view(B, H, N, n_sub, Cp, Dk)   # (B, H, N, n_sub(i), Cp, Dk)
-        A_off = q_rel @ k_rel.transpose(-1, -2)                        # (B, H, N, n_sub, L, Cp)
-        out = out + A_off.view(B, H, N, Cp, Cp) @ vc
+        A_off = (q_rel @ k_rel.transpose(-1, -2)).view(B, H, N, Cp, Cp)  # (B, H, N, Cp(t), Cp(s))
+        if safe:
+            A_off = A_off.masked_fill(sums.earlier_tokens == 0, 0.0)
+            out = out + masked_matmul(A_off, vc, sums.earlier_tokens)
+        else:
+            out = out + A_off @ vc
 
     # Between chunks: a query reads the state with exp(Σ_{r<=t}) (from the chunk's start), a
     # key enters it with exp(Σ_{s<r<=Cp}) (to the chunk's end), the state decays by the total.
@@ -648,7 +668,8 @@ class _SegmentSums:
     - ``inclusive`` ``(L, L)``: ``r <= t``; ``after`` ``(L, L)``: ``r > s`` (to the sub-chunk's end);
     - ``between`` ``(n·n, n)``: row ``(i, j)`` sums the sub-chunks ``m`` with ``j < m < i``;
     - ``earlier`` ``(n, n, 1, 1)`` 0/1: ``j < i``;
-    - ``earlier_total`` ``(n, n)``: sub-chunks ``m < i``; ``later_total`` ``(n, n)``: ``m > j``.
+    - ``earlier_total`` ``(n, n)``: sub-chunks ``m < i``; ``later_total`` ``(n, n)``: ``m > j``;
+    - ``earlier_tokens`` ``(n·L, n·L)`` 0/1: the sub-chunk of ``s`` is before that of ``t``.
     """
 
     def __init__(self, L: int, n: int, dtype: torch.dtype, device) -> None:
@@ -663,9 +684,11 @@ class _SegmentSums:
         self.earlier = (j < i).to(dtype).view(n, n, 1, 1)
         self.earlier_total = tri(n, -1)
         self.later_total = tri(n, 1, upper=True)
+        # (n·L, n·L) 0/1: token s lies in an earlier sub-chunk than token t (the off-diagonal blocks)
+        self.earlier_tokens = self.earlier.view(n, n).repeat_interleave(L, 0).repeat_interleave(L, 1)
 
 
-def _delta_chunk(q, k, v, beta, S0, chunk_size):
+def _delta_chunk(q, k, v, beta, S0, chunk_size, safe=False):
     """Chunkwise delta rule through the WY / UT representation (see :func:`delta_rule`).
 
     Padded tokens have ``k = v = q = 0`` and ``β = 0``: they leave the state unchanged.
@@ -682,10 +705,15 @@ def _delta_chunk(q, k, v, beta, S0, chunk_size):
     sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
     W, U_tilde = sol[..., :Dk], sol[..., Dk:]                          # (B, H, N, C, Dk), (..., Dv)
     A = (qc @ kc.transpose(-1, -2)).tril()                             # (B, H, N, C, C)
-    q_eff = qc - A @ W                                                 # O = q_eff S + A Ũ
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
+        AW, AU = masked_matmul(A, W, causal), masked_matmul(A, U_tilde, causal)
+    else:
+        AW, AU = A @ W, A @ U_tilde
+    q_eff = qc - AW                                                    # O = q_eff S + A Ũ
     kt = kc.transpose(-1, -2)
     transition = torch.eye(Dk, dtype=q.dtype, device=q.device) - kt @ W   # (B, H, N, Dk, Dk)
     G = kt @ U_tilde                                                   # (B, H, N, Dk, Dv)
     S_before, S = _scan(_zeros_state(k, v, S0), lambda S, tr, g: tr @ S + g, transition, G)
-    out = A @ U_tilde + q_eff @ S_before                               # (B, H, N, C, Dv)
+    out = AU + q_eff @ S_before                                        # (B, H, N, C, Dv)
     return _from_chunks(out, T), S

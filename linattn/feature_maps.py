@@ -81,13 +81,24 @@ def elu_plus_one(x: Tensor) -> Tensor:
 
 
 class _EluPlusOne(torch.autograd.Function):
-    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes."""
+    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes.
+
+    Written in the ``setup_context`` style with a generated ``vmap`` rule and a forward-mode
+    rule (``jvp``), so that ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``, ``jacrev``,
+    ``hessian``) work through it.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        y = x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
-        ctx.save_for_backward(x, y)
-        return y
+    def forward(x: Tensor) -> Tensor:
+        return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        (x,) = inputs
+        ctx.save_for_backward(x, output)
+        ctx.save_for_forward(x, output)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
@@ -95,6 +106,11 @@ class _EluPlusOne(torch.autograd.Function):
         # dφ/dx = 1 for x > 0 and e^x = φ(x) for x <= 0. Written with the saved output,
         # this backward is itself differentiable (second derivatives work).
         return torch.where(x > 0, grad, grad * y)
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor) -> Tensor:
+        x, y = ctx.saved_tensors
+        return torch.where(x > 0, tangent, tangent * y)
 
 
 def relu(x: Tensor) -> Tensor:
@@ -226,7 +242,7 @@ class PerformerFeatures(nn.Module):
     query, which cancels exactly in normalised attention (use it with
     ``linear_attention(φ(q, is_query=True), φ(k), v, feature_map=None)``).
 
-    The projection is drawn from a private generator seeded with ``seed``, so it does not
+    The projection is a function of ``seed`` alone (see ``projection`` below), so it does not
     touch (or depend on) torch's global random state. It stays fixed between calls; call
     :meth:`redraw` to draw a new one.
 
@@ -247,7 +263,13 @@ class PerformerFeatures(nn.Module):
     Attributes
     ----------
     projection : Tensor or None
-        ``(M, D)`` float64 buffer (None until ``D`` is known).
+        ``(M, D)`` float64 buffer (None until ``D`` is known). It moves with the module
+        (``.to(device)``, ``.cuda()``) but stays float64: ``.half()`` or ``.to(torch.bfloat16)``
+        do not round it. The draw is counter-based (each number a hash of its index and the
+        seed, then Box-Muller), so the same seed gives the same ``W`` on every machine and
+        device, and a lazily drawn map also compiles (``torch.compile`` redraws it inside the
+        graph, since compiled code cannot register a buffer; call the map once eagerly to
+        store it).
 
     Raises
     ------
@@ -291,14 +313,18 @@ class PerformerFeatures(nn.Module):
         _check_bool(is_query, "is_query")
         D = x.shape[-1]
         if self.projection is None:
-            self._draw(D)
+            W = self._drawn(D)
+            if not torch.compiler.is_compiling():   # compiled code cannot register it; it redraws instead
+                self.projection = W
         elif self.projection.shape[1] != D:
             raise ValueError(
                 f"PerformerFeatures was built for head_dim {self.projection.shape[1]}, got x of shape "
                 f"{_shape(x.shape)} (last dim {D})"
             )
+        else:
+            W = self.projection
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        W = self.projection.to(device=x.device, dtype=acc)                        # (M, D)
+        W = W.to(device=x.device, dtype=acc)                                      # (M, D)
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(D)
         xs = x.to(acc) * math.sqrt(scale)                                         # (..., D)
         log_phi = xs @ W.T - 0.5 * xs.square().sum(-1, keepdim=True)              # (..., M)
@@ -334,13 +360,30 @@ class PerformerFeatures(nn.Module):
             self.projection = torch.empty_like(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _draw(self, D: int) -> None:
+    def _drawn(self, D: int) -> Tensor:
+        """The ``(M, D)`` float64 projection of this map's seed (a pure function of the settings)."""
         M = self.num_features if self.num_features is not None else D * max(1, math.ceil(math.log(D)))
-        g = torch.Generator().manual_seed(self.seed)
-        W = (_orthogonal_gaussian(M, D, g) if self.orthogonal
-             else torch.randn(M, D, generator=g, dtype=torch.float64))
+        return (_orthogonal_gaussian(M, D, self.seed) if self.orthogonal
+                else _standard_normal((M, D), self.seed, stream=0))
+
+    def _draw(self, D: int) -> None:
+        W = self._drawn(D)
         device = self.projection.device if self.projection is not None else None
         self.projection = W.to(device) if device is not None else W
+
+    def _apply(self, fn, recurse=True):
+        # Module.half(), .to(dtype), ... convert every floating buffer; the projection would be
+        # rounded for good (forward computes in float32 or float64 anyway). It follows the
+        # module's device but stays float64.
+        W = self._buffers.get("projection")
+        if W is None:
+            return super()._apply(fn, recurse)
+        self._buffers["projection"] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["projection"] = W.to(device=fn(W.new_empty(0)).device)
+        return self
 
     def extra_repr(self) -> str:
         M = None if self.projection is None else self.projection.shape[0]
@@ -348,14 +391,46 @@ class PerformerFeatures(nn.Module):
                 f"orthogonal={self.orthogonal}, seed={self.seed}, scale={self.scale}")
 
 
-def _orthogonal_gaussian(M: int, D: int, g: torch.Generator) -> Tensor:
+def _orthogonal_gaussian(M: int, D: int, seed: int) -> Tensor:
     """``(M, D)`` rows orthogonal in blocks of ``D``, each with the norm of a N(0, I_D) vector."""
-    G = torch.randn(math.ceil(M / D), D, D, generator=g, dtype=torch.float64)      # (blocks, D, D)
+    G = _standard_normal((math.ceil(M / D), D, D), seed, stream=1)                  # (blocks, D, D)
     Q, R = torch.linalg.qr(G)
     Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)           # Haar-distributed
     W = Q.transpose(-1, -2).reshape(-1, D)[:M]                                      # (M, D), unit rows
-    norms = torch.randn(M, D, generator=g, dtype=torch.float64).norm(dim=1, keepdim=True)
+    norms = _standard_normal((M, D), seed, stream=2).norm(dim=1, keepdim=True)
     return W * norms
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash of each entry of the int64 tensor ``x`` (values in ``[0, 2^32)``).
+
+    The PCG hash of Jarzynski & Olano (2020, "Hash Functions for GPU Rendering"), in int64
+    arithmetic that never overflows (each product is of a 32-bit value and a 30-bit constant).
+    """
+    state = (x * 747796405 + 2891336453) & _M32
+    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _M32
+    return (word >> 22) ^ word
+
+
+def _standard_normal(shape: tuple[int, ...], seed: int, stream: int) -> Tensor:
+    """Standard normal float64 numbers determined by ``(seed, stream)`` alone (counter-based).
+
+    Each entry hashes its own index with the seed and goes through the Box-Muller transform,
+    so the draw needs no ``torch.Generator`` and touches no global random state; it is the
+    same on every machine and device, and ``torch.compile`` can trace it (a lazily drawn
+    projection then compiles). ``stream`` separates draws from one seed.
+    """
+    n = math.prod(shape)
+    key = _hash32(_hash32(torch.tensor([seed & _M32, (seed >> 32) & _M32, stream], dtype=torch.int64)))
+    base = _hash32(key[0] ^ _hash32(key[1] ^ key[2]))
+    idx = torch.arange(2 * n, dtype=torch.int64)
+    bits = _hash32(_hash32(idx) ^ base).to(torch.float64)
+    u = (bits + 0.5) / 2.0 ** 32                                                    # uniform in (0, 1)
+    u1, u2 = u[:n], u[n:]
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).reshape(shape)
 
 
 class TaylorFeatures(nn.Module):

@@ -12,12 +12,13 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from ._numerics import guarded_normaliser, no_autocast
 from .feature_maps import FeatureMap, resolve_feature_map
 
 __all__ = ["LinearAttentionState", "linear_attention_step"]
 
 
-@dataclass
+@dataclass(eq=False)
 class LinearAttentionState:
     """The running state of causal linear attention after some prefix of a sequence.
 
@@ -32,30 +33,58 @@ class LinearAttentionState:
     dtype, so that half-precision inputs do not lose the small increments of a long sum.
     Its size, ``B·H·M·(Dv + 1)`` numbers, does not depend on how many tokens it has seen.
 
+    ``==`` compares values (see :meth:`__eq__`). States returned by linattn own their memory
+    (contiguous tensors that share no storage with any input).
+
     Raises
     ------
     TypeError
         If ``S`` or ``z`` is not a floating tensor.
     ValueError
-        If ``S`` is not 4-D, ``z`` not 3-D, or their (B, H, M) disagree.
+        If ``S`` is not 4-D, ``z`` not 3-D, a dimension is empty, or their (B, H, M),
+        dtypes or devices disagree.
     """
 
     S: Tensor
     z: Tensor
 
     def __post_init__(self) -> None:
-        _checks.check_tensor(self.S, "state.S", 4, "(batch, heads, M, Dv)")
-        _checks.check_tensor(self.z, "state.z", 3, "(batch, heads, M)")
+        self.validate()
+
+    def validate(self, name: str = "state") -> None:
+        """Check ``S`` and ``z`` (run on construction and again by every function that uses the
+        state, so that a state whose attributes were reassigned is caught).
+
+        Raises
+        ------
+        TypeError
+            If ``S`` or ``z`` is not a floating tensor.
+        ValueError
+            If ``S`` is not 4-D, ``z`` not 3-D, a dimension is empty, they disagree on
+            (B, H, M), or on dtype or device.
+        """
+        _checks.check_tensor(self.S, f"{name}.S", 4, "(batch, heads, M, Dv)")
+        _checks.check_tensor(self.z, f"{name}.z", 3, "(batch, heads, M)")
         if self.S.dtype != self.z.dtype or self.S.device != self.z.device:
             raise ValueError(
-                f"state.S and state.z must share dtype and device, got S {self.S.dtype} on "
+                f"{name}.S and {name}.z must share dtype and device, got S {self.S.dtype} on "
                 f"{self.S.device} and z {self.z.dtype} on {self.z.device}"
             )
         if self.S.shape[:3] != self.z.shape:
             raise ValueError(
-                f"state.S (B, H, M, Dv) and state.z (B, H, M) disagree: got S "
+                f"{name}.S (B, H, M, Dv) and {name}.z (B, H, M) disagree: got S "
                 f"{_checks.shape_str(self.S.shape)} and z {_checks.shape_str(self.z.shape)}"
             )
+
+    def __eq__(self, other) -> bool:
+        """Two states are equal when their ``S`` and their ``z`` have the same shape, dtype,
+        device and values (``torch.equal``); anything that is not a state is not equal."""
+        if not isinstance(other, LinearAttentionState):
+            return NotImplemented
+        return all(a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+                   for a, b in ((self.S, other.S), (self.z, other.z)))
+
+    __hash__ = None   # mutable, compared by value
 
     @classmethod
     def zeros(cls, batch: int, heads: int, feature_dim: int, value_dim: int, *,
@@ -95,7 +124,8 @@ class LinearAttentionState:
 
     @classmethod
     def from_augmented(cls, S_aug: Tensor) -> "LinearAttentionState":
-        return cls(S_aug[..., :-1], S_aug[..., -1])
+        """Split ``(B, H, M, Dv + 1)`` into ``S`` and ``z``, each a contiguous tensor of its own."""
+        return cls(S_aug[..., :-1].contiguous(), S_aug[..., -1].contiguous())
 
 
 def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_dim: int,
@@ -106,6 +136,7 @@ def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_d
         return None
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"{name} must be a LinearAttentionState or None, got {type(state).__name__}")
+    state.validate(name)
     expected = (batch, heads, feature_dim, value_dim)
     if tuple(state.S.shape) != expected or tuple(state.z.shape) != expected[:3]:
         raise ValueError(
@@ -119,11 +150,15 @@ def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_d
 
 
 def finish(out_aug: Tensor, normalize: bool, eps: float) -> Tensor:
-    """Split ``(..., Dv + 1)`` into numerator and normaliser and divide (or not)."""
+    """Split ``(..., Dv + 1)`` into numerator and normaliser and divide (or not).
+
+    The normaliser is used as computed unless it is zero, negative or not finite
+    (:func:`linattn._numerics.guarded_normaliser`).
+    """
     num, den = out_aug[..., :-1], out_aug[..., -1:]
     if not normalize:
         return num
-    return num / den.clamp_min(eps)
+    return num / guarded_normaliser(den, eps)[0]
 
 
 def step_features(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S_aug: Tensor) -> tuple[Tensor, Tensor]:
@@ -152,7 +187,7 @@ def linear_attention_step(
     Implements Katharopoulos et al. (2020), eqs. 18-20::
 
         S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),
-        y_t = S_tᵀ φ(q_t) / max(z_tᵀ φ(q_t), eps)
+        y_t = S_tᵀ φ(q_t) / z_tᵀ φ(q_t)
 
     The new token attends to itself and to every earlier token. Running it over
     ``t = 1..T`` gives exactly ``linear_attention(q, k, v, causal=True)``; the cost per
@@ -172,7 +207,8 @@ def linear_attention_step(
     normalize : bool
         Divide by the normaliser ``φ(q_t)ᵀz_t`` (True) or return the numerator only.
     eps : float
-        Positive lower bound on the normaliser (guards a zero normaliser, e.g. with ReLU).
+        Used in place of a normaliser that is zero, negative or not finite, as in
+        :func:`linattn.linear_attention`; a positive normaliser is used as it is.
 
     Returns
     -------
@@ -184,9 +220,13 @@ def linear_attention_step(
     Raises
     ------
     TypeError
-        Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type.
+        Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type or whose
+        ``S``/``z`` are not floating tensors.
     ValueError
-        Wrong ranks, mismatched (B, H, D), a state whose shapes do not match, ``eps <= 0``.
+        Wrong ranks, an empty dimension, mismatched (B, H, D), a state whose shapes, dtypes or
+        device do not match, ``eps`` not a positive normal number of the computation dtype, a
+        position-dependent feature map (cosFormer), a feature map whose output has other
+        leading dimensions or lives on another device.
     """
     layout = "(batch, heads, dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -206,19 +246,25 @@ def linear_attention_step(
     acc = _checks.accumulation_dtype(q.dtype)
     eps = _checks.check_eps(eps, acc)
     phi = resolve_feature_map(feature_map)
-    q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
-    phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
-    B, H, M = phi_k.shape
-    Dv = v.shape[-1]
-    state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
-    if state is None:
-        S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                      # (B, H, M, Dv)
-        z = phi_k                                                        # (B, H, M)
-    else:
-        S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
-        z = state.z + phi_k
-    out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                          # (B, H, Dv)
-    if normalize:
-        den = (phi_q * z).sum(-1, keepdim=True)                          # (B, H, 1)
-        out = out / den.clamp_min(eps)
+    if _checks.position_dependent(phi):
+        raise ValueError(
+            f"linear_attention_step cannot apply the position-dependent feature_map {type(phi).__name__}: "
+            "it sees one token without its position; compute the features yourself, e.g. "
+            "phi(x[:, :, None], offset=t)[:, :, 0], and pass feature_map=None")
+    with no_autocast(q.device):
+        q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
+        phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
+        B, H, M = phi_k.shape
+        Dv = v.shape[-1]
+        state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+        if state is None:
+            S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                  # (B, H, M, Dv)
+            z = phi_k.clone(memory_format=torch.contiguous_format)       # (B, H, M), never the caller's k
+        else:
+            S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
+            z = state.z + phi_k
+        out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                      # (B, H, Dv)
+        if normalize:
+            den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
+            out = out / guarded_normaliser(den, eps)[0]
     return out.to(q.dtype), LinearAttentionState(S, z)

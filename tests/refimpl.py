@@ -29,6 +29,12 @@ def ref_phi(feature_map, x: torch.Tensor) -> torch.Tensor:
     raise AssertionError(f"no reference for feature map {feature_map!r}")
 
 
+def ref_normaliser(den, eps):
+    """The normaliser divided by: den itself where it is positive and finite, else eps."""
+    ok = (den > 0) & torch.isfinite(den)
+    return torch.where(ok, den, torch.full_like(den, eps))
+
+
 def ref_linear_attention(
     q,
     k,
@@ -45,7 +51,8 @@ def ref_linear_attention(
 
     For query i: num_i = sum_j a_ij v_j (+ phi(q_i)^T S0), den_i = sum_j a_ij (+ phi(q_i).z0),
     a_ij = phi(q_i).phi(k_j) over visible j (j <= i if causal, and unmasked);
-    out = num / clamp_min(den, eps) if normalize else num.
+    out = num / den if normalize else num, where den is replaced by eps only if it is zero,
+    negative or not finite (ref_normaliser).
 
     Returns (out, S, z): S, z the state after all keys (masked keys excluded).
     """
@@ -75,7 +82,7 @@ def ref_linear_attention(
         den = den + (fq * z0[:, :, None, :]).sum(-1)
         S = S + S0
         z = z + z0
-    out = num / den.clamp_min(eps)[..., None] if normalize else num
+    out = num / ref_normaliser(den, eps)[..., None] if normalize else num
     return out, S, z
 
 
@@ -85,7 +92,7 @@ def ref_linear_attention_big_noncausal(q, k, v, *, feature_map="elu+1", eps=1e-6
     fq, fk = ref_phi(feature_map, q), ref_phi(feature_map, k)
     kv = fk.transpose(-1, -2) @ v
     z = fk.sum(-2)
-    return (fq @ kv) / (fq @ z[..., None]).clamp_min(eps)
+    return (fq @ kv) / ref_normaliser(fq @ z[..., None], eps)
 
 
 def ref_linear_attention_big_causal(q, k, v, *, feature_map="elu+1", eps=1e-6):
@@ -96,7 +103,7 @@ def ref_linear_attention_big_causal(q, k, v, *, feature_map="elu+1", eps=1e-6):
     z = torch.cumsum(fk, dim=-2)
     num = torch.einsum("bhtm,bhtmv->bhtv", fq, S)
     den = (fq * z).sum(-1)
-    return num / den.clamp_min(eps)[..., None]
+    return num / ref_normaliser(den, eps)[..., None]
 
 
 def ref_softmax_attention(q, k, v, *, causal=False, scale=None, attention_mask=None):

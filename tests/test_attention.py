@@ -433,21 +433,48 @@ def test_default_arguments():
 
 
 @pytest.mark.parametrize("causal,method", CASES, ids=CASE_IDS)
-def test_eps_clamps_small_denominators(causal, method):
-    """With tiny features den < eps, so out = num / eps exactly as the contract says (no +eps)."""
+def test_small_positive_normalisers_give_the_exact_average(causal, method):
+    """A normaliser far below eps is still divided by as it is: eps never changes a valid output."""
     g = torch.Generator().manual_seed(0)
     q = torch.rand(1, 2, 12, 3, generator=g, dtype=torch.float64) * 1e-4
-    k = torch.rand(1, 2, 12, 3, generator=g, dtype=torch.float64) * 1e-4
+    k = torch.rand(1, 2, 12, 3, generator=g, dtype=torch.float64) * 1e-4   # den ~ 1e-8 < eps
     v = torch.randn(1, 2, 12, 2, generator=g, dtype=torch.float64)
-    for eps in (1e-6, 1e-3):
+    ref, _, _ = ref_linear_attention(q, k, v, causal=causal, feature_map=None)
+    for eps in (1e-6, 1e-3, 1.0):
+        out = _la(q, k, v, causal, method, feature_map=None, eps=eps, chunk_size=5)
+        torch.testing.assert_close(out, ref, **TIGHT)
+
+
+@pytest.mark.parametrize("causal,method", CASES, ids=CASE_IDS)
+def test_the_issue_example_gives_one(causal, method):
+    """q = k = -8 with elu+1 (features e^-8, normaliser 4 e^-16 ~ 4.5e-7 < eps): the average of ones is 1."""
+    for dtype in (torch.float32, torch.float64):
+        q = k = torch.full((1, 1, 1, 4), -8.0, dtype=dtype)
+        v = torch.ones(1, 1, 1, 2, dtype=dtype)
+        out = _la(q, k, v, causal, method)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, torch.ones_like(out), rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("causal,method", CASES, ids=CASE_IDS)
+def test_eps_replaces_only_zero_or_negative_normalisers(causal, method):
+    """Signed features (feature_map=None): where the normaliser is <= 0 the output is num / eps."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 12, 3, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 12, 3, generator=g, dtype=torch.float64)
+    k[:, :, 0] = 0.0                       # a zero normaliser at the first causal position
+    v = torch.randn(1, 2, 12, 2, generator=g, dtype=torch.float64)
+    for eps in (1e-6, 1e-2):
         out = _la(q, k, v, causal, method, feature_map=None, eps=eps, chunk_size=5)
         ref, _, _ = ref_linear_attention(q, k, v, causal=causal, feature_map=None, eps=eps)
         torch.testing.assert_close(out, ref, **TIGHT)
-    # and a denominator above eps is not affected by eps at all
-    q2, k2 = q * 1e4, k * 1e4
-    out = _la(q2, k2, v, causal, method, feature_map=None, eps=1e-6, chunk_size=5)
-    ref, _, _ = ref_linear_attention(q2, k2, v, causal=causal, feature_map=None, eps=0.0 + 1e-300)
-    torch.testing.assert_close(out, ref, **TIGHT)
+        a = q @ k.transpose(-1, -2)
+        if causal:
+            a = a.tril()
+        den, num = a.sum(-1, keepdim=True), a @ v
+        negative = den <= 0
+        assert negative.any()                      # the case is exercised
+        torch.testing.assert_close(out[negative.expand_as(out)], (num / eps)[negative.expand_as(num)], **TIGHT)
 
 
 @pytest.mark.parametrize("normalize", [True, False])

@@ -482,16 +482,16 @@ def _with(variant, index, value):
 
 BAD = [
     # (variant, args, kwargs, error, message)
-    ("retention", _with("retention", 3, 0.0), {}, ValueError, r"gamma must lie in \(0, 1\], got 0"),
-    ("retention", _with("retention", 3, 1.5), {}, ValueError, r"gamma must lie in \(0, 1\], got 1.5"),
-    ("retention", _with("retention", 3, math.nan), {}, ValueError, r"gamma must lie in \(0, 1\], got nan"),
+    ("retention", _with("retention", 3, 0.0), {}, ValueError, r"gamma must be in \(0, 1\], got 0"),
+    ("retention", _with("retention", 3, 1.5), {}, ValueError, r"gamma must be in \(0, 1\], got 1.5"),
+    ("retention", _with("retention", 3, math.nan), {}, ValueError, r"gamma must be in \(0, 1\], got nan"),
     ("retention", _with("retention", 3, "0.9"), {}, TypeError, r"gamma must be a float or a tensor.*got str"),
     ("retention", _with("retention", 3, True), {}, TypeError, r"gamma must be a float or a tensor.*got bool"),
     ("retention", _with("retention", 3, torch.full((4,), 0.9)), {}, ValueError,
      r"gamma must be a float or a tensor of shape \(heads,\) = \(3,\), got shape \(4\)"),
     ("retention", _with("retention", 3, torch.tensor(0.9)), {}, ValueError, r"got shape \(\).*pass float\(gamma\)"),
     ("retention", _with("retention", 3, torch.tensor([0.9, 0.0, 0.5])), {}, ValueError,
-     r"gamma must lie in \(0, 1\], got 0 for head 1"),
+     r"gamma must be in \(0, 1\], got 0.0 at index \(1,\)"),
     ("retention", _with("retention", 3, torch.tensor([1, 1, 1])), {}, TypeError, r"floating-point tensor.*int64"),
     ("gla", _with("gla", 3, torch.full((2, 3, 6, 3), 0.5)), {}, ValueError,
      r"log_g must be finite and <= 0.*got 0.5 at index \(0, 0, 0, 0\)"),

@@ -91,13 +91,16 @@ def test_step_does_not_mutate_state():
 
 
 def test_step_eps():
+    """A tiny positive normaliser is used as it is; eps replaces only a zero or negative one."""
     g = torch.Generator().manual_seed(0)
     q = torch.rand(1, 1, 3, generator=g, dtype=torch.float64) * 1e-4
     k = torch.rand(1, 1, 3, generator=g, dtype=torch.float64) * 1e-4
     v = torch.randn(1, 1, 2, generator=g, dtype=torch.float64)
     for eps in (1e-6, 1e-2):
         out, _ = linattn.linear_attention_step(q, k, v, feature_map=None, eps=eps)
-        torch.testing.assert_close(out, (q * k).sum(-1, keepdim=True) * v / eps, **TIGHT)
+        torch.testing.assert_close(out, v, **TIGHT)                     # one token: its own value
+        out, _ = linattn.linear_attention_step(q, -k, v, feature_map=None, eps=eps)
+        torch.testing.assert_close(out, -(q * k).sum(-1, keepdim=True) * v / eps, **TIGHT)
 
 
 @pytest.mark.parametrize("dtype,state_dtype", [

@@ -1,0 +1,93 @@
+"""Numerical building blocks shared by the attention algorithms (private).
+
+- :func:`no_autocast`: linattn chooses its own precision (float32 accumulation for half
+  inputs, float64 for float64), so its arithmetic runs with ``torch.autocast`` switched off;
+  otherwise autocast would turn some of its matmuls into bfloat16 ones and mix dtypes.
+- :func:`masked_matmul`: ``A @ X`` for an ``A`` that is zero outside a causal pattern, such
+  that a non-finite entry of ``X`` only reaches the outputs that are allowed to see it (a
+  plain matmul forms ``0 · NaN = NaN`` in every row).
+- :func:`guarded_normaliser`: the normaliser of linear attention, replaced by ``eps`` only
+  where it is zero, negative or not finite (never clamped from below).
+- :func:`compiling`: whether ``torch.compile`` is tracing the caller.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+__all__ = ["no_autocast", "masked_matmul", "compiling", "all_finite", "host_all", "unwrap", "guarded_normaliser"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def no_autocast(device: torch.device):
+    """A context in which autocast is off for ``device``'s type (a no-op for other devices)."""
+    if device.type in _AUTOCAST_DEVICES:
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` (dynamo) traces the calling code."""
+    return torch.compiler.is_compiling()
+
+
+def unwrap(t: Tensor) -> Tensor:
+    """The plain tensor under ``torch.func`` wrappers (vmap's batched tensors, grad's tracking tensors).
+
+    A Python ``if`` on tensor data is refused under ``vmap``; on the unwrapped tensor, which
+    holds the values of every vmapped element, it is allowed, and a check of "all entries"
+    then checks every element at once.
+    """
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def host_all(t: Tensor) -> bool:
+    """Whether every entry of the bool tensor ``t`` is True, also under ``torch.func`` transforms
+    (for every vmapped element)."""
+    return bool(unwrap(t).all())
+
+
+def all_finite(*tensors: Tensor) -> bool:
+    """Whether every entry of every tensor is finite (one host synchronisation for all of them)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return host_all(torch.stack(flags)) if flags else True
+
+
+def masked_matmul(A: Tensor, X: Tensor, allowed: Tensor) -> Tensor:
+    """``A @ X`` where output ``i`` depends only on the rows ``j`` of ``X`` with ``allowed[i, j]``.
+
+    ``A`` (..., I, J) is zero wherever ``allowed`` (I, J) (0/1, or broadcastable to ``A``) is 0.
+    A plain matmul still multiplies those zeros with ``X``: a NaN or infinity in row ``j`` of
+    ``X`` then turns every output row into NaN, also the rows that must not see row ``j`` (in
+    causal attention: the earlier tokens). Here non-finite entries of ``X`` are replaced by 0
+    for the product, and each output entry ``(i, d)`` that does see a non-finite ``X[j, d]``
+    (some allowed ``j``) is set to NaN: it depends on a non-finite input. The test "does it
+    see one" is itself a matmul of 0/1 matrices, exact in floating point.
+    """
+    bad = ~torch.isfinite(X)                                      # (..., J, D)
+    out = A @ X.masked_fill(bad, 0.0)                             # (..., I, D)
+    seen = allowed.to(X.dtype) @ bad.to(X.dtype)                  # (..., I, D): bad entries each output sees
+    return out.masked_fill(seen > 0, float("nan"))
+
+
+def guarded_normaliser(den: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The normaliser to divide by, and where it is used as computed.
+
+    A positive finite normaliser is used as it is, however small: the output is then the
+    exact weighted average ``Σ_j a_ij v_j / Σ_j a_ij`` (a lower bound such as
+    ``max(den, eps)`` would instead return ``num / eps``, a wrong number, whenever the
+    normaliser is small but positive). Only a normaliser that is zero, negative or not
+    finite is replaced by ``eps``: zero happens with non-negative maps such as ReLU (and then
+    the numerator is zero too: the output is 0); negative only with feature maps that take
+    negative values, for which normalised linear attention has no meaning; NaN or infinite
+    only with non-finite inputs or features. Returns ``(den_used, ok)``, ``ok`` True where
+    ``den`` itself is used.
+    """
+    ok = (den > 0) & (den < float("inf"))
+    return torch.where(ok, den, eps), ok
