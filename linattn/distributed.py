@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import math
 import numbers
@@ -228,14 +229,99 @@ def _bits_float(bits: int) -> float:
 
 
 def _feature_map_name(phi: Optional[FeatureMap]) -> str:
-    """What identifies a resolved feature map across processes: a function's (or method's)
-    qualified name, or the class of any other callable (a module's parameters are not part of it)."""
+    """What identifies a resolved feature map across processes (hashed by the handshake).
+
+    Only what is the same in every process that runs the same code can identify a map, so:
+
+    - a function, builtin or class: its module and qualified name (``"elu+1"`` resolves to
+      :func:`linattn.elu_plus_one`, so the name and the function agree);
+    - a lambda or anything defined inside a function (``<locals>`` in its qualified name):
+      refused. Every lambda is ``<lambda>``, and a nested function may close over values
+      that differ between ranks, so its name says nothing about what it computes;
+    - ``functools.partial``: its function's identity plus its arguments, when those are
+      plain values (numbers, strings, bools, None, and tuples or lists of them, compared by
+      ``repr``); refused with any other argument (a tensor, a module), which could differ
+      unseen;
+    - a bound method: its function's identity plus that of the object it is bound to;
+    - an ``nn.Module``: its class plus its ``repr`` (the configuration its ``extra_repr``
+      prints, such as a cosFormer ``max_len`` or a Performer ``seed``); its parameters and
+      buffers are *not* compared;
+    - any other object whose class defines ``__call__`` in Python: its class only (its
+      attributes are not compared); a callable implemented in C (a NumPy ufunc, a
+      TorchScript function) is refused, since its class says nothing about what it computes.
+
+    Raises
+    ------
+    TypeError
+        For the refused kinds above, saying to use a module-level function or an ``nn.Module``.
+    """
     if phi is None:
         return "None (q and k are features)"
-    if isinstance(phi, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-        return f"{getattr(phi, '__module__', None) or '?'}.{phi.__qualname__}"
-    cls = type(phi)
-    return f"{cls.__module__}.{cls.__qualname__} instance"
+    return _callable_identity(phi)
+
+
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
+                   types.WrapperDescriptorType, types.ClassMethodDescriptorType, type)
+_PLAIN_TYPES = (bool, numbers.Number, str, type(None))
+
+
+def _refuse(phi, why: str) -> TypeError:
+    return TypeError(
+        f"feature_map={phi!r} cannot be compared across processes: {why}. The ranks check that they "
+        "all use the same feature map, and only a name every process shares identifies one: use a "
+        "module-level function (def at the top level of a module or notebook), a functools.partial "
+        "of one with plain arguments, or an nn.Module instance"
+    )
+
+
+def _callable_identity(fn) -> str:
+    """The identity of one callable, by the rules of :func:`_feature_map_name`."""
+    if isinstance(fn, functools.partial):
+        args = [_plain_repr(fn, a) for a in fn.args]
+        args += [f"{key}={_plain_repr(fn, value)}" for key, value in sorted(fn.keywords.items())]
+        return f"functools.partial({', '.join([_callable_identity(fn.func), *args])})"
+    if isinstance(fn, types.MethodType):
+        return f"{_callable_identity(fn.__func__)} bound to {_object_identity(fn.__self__)}"
+    if isinstance(fn, types.BuiltinFunctionType) and not isinstance(fn.__self__, (types.ModuleType, type, type(None))):
+        raise _refuse(fn, f"it is bound to a {_checks.type_name(fn.__self__)}, whose value is not compared")
+    if isinstance(fn, _FUNCTION_TYPES):
+        return _qualified_name(fn)
+    if isinstance(fn, torch.nn.Module) or isinstance(getattr(type(fn), "__call__", None), types.FunctionType):
+        return _object_identity(fn)
+    raise _refuse(fn, f"it is a {_checks.type_name(fn)} implemented in C, whose type says nothing about "
+                      "what it computes")
+
+
+def _object_identity(obj) -> str:
+    """A module by class and configuration (``repr``), a class by name, anything else by its class."""
+    if isinstance(obj, type):
+        return _qualified_name(obj)
+    name = f"{_qualified_name(type(obj))} instance"
+    return f"{name}: {' '.join(repr(obj).split())}" if isinstance(obj, torch.nn.Module) else name
+
+
+def _qualified_name(fn) -> str:
+    """``module.qualname`` of a function or class; refused for lambdas and local definitions."""
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "?")
+    if "<lambda>" in qualname:
+        raise _refuse(fn, "every lambda has the same name, <lambda>")
+    if "<locals>" in qualname:
+        raise _refuse(fn, f"{qualname} is defined inside a function, so its name does not say what it "
+                          "computes (it may use values local to that call, which can differ between ranks)")
+    module = getattr(fn, "__module__", None) or getattr(getattr(fn, "__objclass__", None), "__module__", None)
+    return f"{module or '?'}.{qualname}"
+
+
+def _plain_repr(fn, value) -> str:
+    """``repr`` of a partial's argument that is a plain value (or a tuple or list of them)."""
+    items = value if isinstance(value, (tuple, list)) else [value]
+    for x in items:
+        if isinstance(x, (tuple, list)):
+            _plain_repr(fn, x)
+        elif not isinstance(x, _PLAIN_TYPES):
+            raise _refuse(fn, f"its argument of type {_checks.type_name(x)} is not a plain value (a number, "
+                              "str, bool, None, or a tuple of them), so the ranks cannot check it is the same")
+    return repr(value)
 
 
 def _name_hash(name: str) -> int:
@@ -480,11 +566,18 @@ def sequence_parallel_linear_attention(
     15 int64 each and compare: batch, heads, ``D``, ``Dv``, ``M``, dtype, ``causal``,
     ``normalize``, ``eps`` (exactly, as float64 bits), the feature map and, when causal,
     ``state_exchange``. If any of them differs, every rank raises the same ValueError.
-    The feature map is compared by identity, not by value: a function by its qualified name
-    (a name such as ``"elu+1"`` counts as the function it names, so ``"elu+1"`` on one rank
-    and :func:`linattn.elu_plus_one` on another agree), any other callable by its class. A
-    feature map's parameters (a Performer projection, Hedgehog weights) are *not*
-    compared: they must be equal on every rank (same seed, or broadcast them). Free to
+    The feature map is compared by identity, not by value: a function by its module and
+    qualified name (a name such as ``"elu+1"`` counts as the function it names, so
+    ``"elu+1"`` on one rank and :func:`linattn.elu_plus_one` on another agree); a
+    ``functools.partial`` by its function and its arguments, which must be plain values
+    (numbers, strings, bools, None, tuples of them); an ``nn.Module`` by its class and its
+    ``repr`` (so ``CosFormerFeatures(max_len=64)`` and ``CosFormerFeatures(max_len=128)``
+    disagree); another callable object by its class. What has no name that identifies it is
+    refused with a TypeError: a lambda (every lambda is ``<lambda>``), a function or class
+    defined inside a function (it may close over values that differ between ranks), a
+    partial with a tensor or other non-plain argument, a callable implemented in C (a NumPy
+    ufunc). A feature map's parameters and buffers (a Performer projection, Hedgehog weights)
+    are *not* compared: they must be equal on every rank (same seed, or broadcast them). Free to
     differ between ranks: the sequence lengths, ``attention_mask`` and ``return_state``
     (local to each rank), ``method`` and ``chunk_size`` (they only choose how a rank
     computes its own slice; the results agree up to rounding), and ``state_exchange`` when
@@ -529,7 +622,9 @@ def sequence_parallel_linear_attention(
     RuntimeError
         If torch.distributed is not initialised.
     TypeError
-        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup.
+        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup; a
+        feature map that cannot be compared across ranks (see above; raised on the ranks
+        that pass one, and the others raise a ValueError naming them, so no rank hangs).
     ValueError
         As :func:`linattn.linear_attention`; an unknown ``state_exchange``; ranks that
         disagree on any of the values listed above under "What the ranks must agree on"

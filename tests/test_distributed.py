@@ -7,6 +7,7 @@ local outputs and gradients; the tests compare them here with single-process flo
 """
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -17,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import linattn
 from linattn.distributed import (RankError, count_bytes, local_state, measure_sequence_parallel, ring_softmax_attention,
@@ -25,6 +27,27 @@ from linattn.distributed import (RankError, count_bytes, local_state, measure_se
 B, H, D, DV = 2, 3, 4, 5
 M = D  # elu+1 keeps the dimension
 TOL = 1e-12  # float64 throughout, relative to the largest reference value
+
+def _scaled_elu(x, scale=1.0):
+    """A module-level feature map with a parameter, for functools.partial."""
+    return (F.elu(x) + 1) * scale
+
+
+def _child_feature_map(spec):
+    """Feature maps that cannot be pickled to the ranks, built there from a name (else ``spec`` itself)."""
+    if spec == "<lambda: elu+1>":
+        return lambda x: F.elu(x) + 1
+    if spec == "<lambda: relu>":
+        return lambda x: F.relu(x)
+    if spec == "<nested: elu+1>":
+        def elu_plus_one(x):
+            return F.elu(x) + 1
+        return elu_plus_one
+    return spec
+
+
+_PARTIAL = f"functools.partial({__name__}._scaled_elu, scale="
+_REFUSED = "cannot be compared across processes: "
 
 # name -> options. lengths: tokens per rank (queries and keys unless q_lengths is given).
 _LINEAR = {
@@ -96,6 +119,24 @@ CASES = {
             "softmax-scale-differs": dict(
                 softmax=True, per_rank=[dict(causal=True, scale=0.5), dict(causal=True, scale=0.25)],
                 expect=("ValueError", ["disagree on scale (", "scale=0.5", "scale=0.25"])),
+            "feature-map-equal-partials": dict(
+                per_rank=[dict(causal=True, feature_map=functools.partial(_scaled_elu, scale=2.0))] * 2),
+            "feature-map-partials-differ": dict(
+                per_rank=[dict(causal=True, feature_map=functools.partial(_scaled_elu, scale=1.0)),
+                          dict(causal=True, feature_map=functools.partial(_scaled_elu, scale=2.0))],
+                expect=("ValueError", ["disagree on feature_map (", f"feature_map={_PARTIAL}1.0)",
+                                       f"feature_map={_PARTIAL}2.0)"])),
+            "feature-map-two-lambdas": dict(
+                per_rank=[dict(causal=True, feature_map="<lambda: elu+1>"),
+                          dict(causal=True, feature_map="<lambda: relu>")],
+                expect=("TypeError", [_REFUSED + "every lambda has the same name", "use a module-level function"])),
+            "feature-map-lambda-on-one-rank": dict(
+                per_rank=[dict(causal=False, feature_map="elu+1"), dict(causal=False, feature_map="<lambda: elu+1>")],
+                expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
+                        ("TypeError", [_REFUSED + "every lambda has the same name"])]),
+            "feature-map-nested-function": dict(
+                per_rank=[dict(causal=True, feature_map="<nested: elu+1>")] * 2,
+                expect=("TypeError", [_REFUSED, "elu_plus_one is defined inside a function"])),
             # invalid on every rank: each raises its own error
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
@@ -186,11 +227,14 @@ def _run_invalid(case: dict, rank: int) -> tuple[str, str]:
 def _run_options(name: str, case: dict, rank: int):
     """One call with this rank's own options: ("ok", out) or (exception type name, message)."""
     q, k, v, _, _ = _local(name, case, rank)
+    opts = dict(case["per_rank"][rank])
+    if "feature_map" in opts:
+        opts["feature_map"] = _child_feature_map(opts["feature_map"])
     try:
         if case.get("softmax"):
-            out = ring_softmax_attention(q, k, v, **case["per_rank"][rank])
+            out = ring_softmax_attention(q, k, v, **opts)
         else:
-            out = sequence_parallel_linear_attention(q, k, v, **case["per_rank"][rank])
+            out = sequence_parallel_linear_attention(q, k, v, **opts)
     except (TypeError, ValueError) as err:
         return (type(err).__name__, str(err))
     return ("ok", out)
@@ -345,8 +389,8 @@ def test_which_options_the_ranks_must_agree_on(ranks, name):
     case = CASES[2][name]
     results = [res[name] for res in ranks(2)]
     if "expect" in case:
-        kind, words = case["expect"]
-        for rank, (got_kind, message) in enumerate(results):
+        expect = case["expect"] if isinstance(case["expect"], list) else [case["expect"]] * len(results)
+        for rank, ((kind, words), (got_kind, message)) in enumerate(zip(expect, results)):
             assert got_kind == kind, f"rank {rank} got {got_kind}: {message}"
             for word in words:
                 assert word in message, f"rank {rank}: {word!r} not in {message!r}"
@@ -404,15 +448,45 @@ def _top_level(x):
     return x
 
 
-def test_feature_maps_are_identified_by_function_name_or_class():
+class _CallableObject:
+    def __call__(self, x):
+        return x
+
+
+def test_feature_maps_are_identified_by_name_arguments_or_configuration():
     from linattn.distributed import _feature_map_name
-    from linattn.feature_maps import resolve_feature_map
+    from linattn.feature_maps import CosFormerFeatures, TaylorFeatures, resolve_feature_map
     assert _feature_map_name(resolve_feature_map(" ELU+1")) == "linattn.feature_maps.elu_plus_one"
     assert _feature_map_name(linattn.elu_plus_one) == "linattn.feature_maps.elu_plus_one"
-    assert _feature_map_name(resolve_feature_map("performer")) == "linattn.feature_maps.PerformerFeatures instance"
-    assert _feature_map_name(linattn.feature_maps.TaylorFeatures().forward) == (
-        "linattn.feature_maps.TaylorFeatures.forward")
+    assert _feature_map_name(torch.nn.functional.elu) == "torch.nn.functional.elu"
     assert _feature_map_name(None) == "None (q and k are features)"
+    # modules: class and configuration (so two cosFormer lengths differ), not parameters
+    assert _feature_map_name(CosFormerFeatures(max_len=16)) == (
+        "linattn.feature_maps.CosFormerFeatures instance: CosFormerFeatures(max_len=16)")
+    assert _feature_map_name(CosFormerFeatures(max_len=16)) != _feature_map_name(CosFormerFeatures(max_len=32))
+    assert _feature_map_name(resolve_feature_map("performer")).startswith(
+        "linattn.feature_maps.PerformerFeatures instance: PerformerFeatures(")
+    assert _feature_map_name(TaylorFeatures().forward) == (
+        "linattn.feature_maps.TaylorFeatures.forward bound to "
+        "linattn.feature_maps.TaylorFeatures instance: TaylorFeatures(scale=None)")
+    assert _feature_map_name(_CallableObject()) == f"{__name__}._CallableObject instance"
+    # partials: the function and its plain arguments
+    one, two = (functools.partial(_scaled_elu, scale=s) for s in (1.0, 2.0))
+    assert _feature_map_name(one) == f"{_PARTIAL}1.0)"
+    assert _feature_map_name(one) != _feature_map_name(two)
+    assert _feature_map_name(one) == _feature_map_name(functools.partial(_scaled_elu, scale=1.0))
+    assert _feature_map_name(functools.partial(_scaled_elu, (1, None, "a"))) == (
+        f"functools.partial({__name__}._scaled_elu, (1, None, 'a'))")
+    # what no name identifies: refused
+    for phi, words in [(lambda x: x, "every lambda has the same name, <lambda>"),
+                       (_child_feature_map("<nested: elu+1>"), "is defined inside a function"),
+                       (functools.partial(lambda x, s: x * s, s=2.0), "every lambda"),
+                       (functools.partial(_scaled_elu, scale=torch.tensor(2.0)), "argument of type torch.Tensor "
+                                                                                 "is not a plain value"),
+                       (functools.partial(_scaled_elu, scale=(1, [torch.ones(1)])), "not a plain value"),
+                       (torch.ones(3).mul, "bound to a torch.Tensor, whose value is not compared")]:
+        with pytest.raises(TypeError, match="cannot be compared across processes: .*" + words):
+            _feature_map_name(phi)
 
 
 def test_run_on_ranks_rejects_what_cannot_be_spawned():
