@@ -353,14 +353,7 @@ def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[
     row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0] + [fields.get(n, 0) for n in _FIELDS[1:]]
     parts = _all_gather(torch.tensor(row, dtype=torch.int64, device=ranks.device()), ranks, "handshake")
     table = [part.tolist() for part in parts]
-    if error is not None:
-        raise error
-    failed = [r for r, values in enumerate(table) if values[0]]
-    if failed:
-        raise ValueError(
-            f"{caller}: rank(s) {failed} rejected their inputs (the error is raised on those ranks); "
-            "nothing was computed on this rank"
-        )
+    _raise_failures([values[0] for values in table], error, caller)
     columns = [_FIELDS.index(name) for name in shown]
     differ = [_FIELDS[i] for i in columns if len({values[i] for values in table}) > 1]
     if "causal" in differ and "state_exchange" in differ:
@@ -380,6 +373,25 @@ def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[
             + "; ".join(describe(r) for r in range(ranks.world))
         )
     return table
+
+
+def _raise_failures(flags: list[int], error: Optional[BaseException], caller: str) -> None:
+    """Re-raise this rank's own ``error``; else a ValueError naming the ranks whose flag is set."""
+    if error is not None:
+        raise error
+    failed = [r for r, flag in enumerate(flags) if flag]
+    if failed:
+        raise ValueError(
+            f"{caller}: rank(s) {failed} rejected their inputs (the error is raised on those ranks); "
+            "nothing was computed on this rank"
+        )
+
+
+def _confirm(ranks: _Ranks, error: Optional[BaseException], caller: str) -> None:
+    """A second, one-int64 round after the handshake, for checks that needed its table: every
+    rank learns whether any rank failed, and all raise (as in :func:`_handshake`) or none does."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=ranks.device())
+    _raise_failures([int(part) for part in _all_gather(flag, ranks, "handshake")], error, caller)
 
 
 def _decode(name: str, value: int, feature_map_name: str = ""):
@@ -412,9 +424,55 @@ def _check_state_exchange(state_exchange) -> str:
 # ---------------------------------------------------------------------------------------
 
 
+def _position_dependent(phi: Optional[FeatureMap]) -> bool:
+    """True for a map whose features depend on the position (``position_dependent = True``,
+    e.g. :class:`linattn.feature_maps.CosFormerFeatures`): it takes ``offset=``."""
+    return bool(getattr(phi, "position_dependent", False))
+
+
+def _length_free_error(phi: FeatureMap, what: str) -> ValueError:
+    """Why a position-dependent map without ``max_len`` cannot be used on a slice."""
+    return ValueError(
+        f"{what}: feature_map {phi!r} depends on the position and has max_len=None, so it would divide "
+        "the positions by L = offset + T, the length of the slice it is given, instead of one length "
+        "shared by the whole sequence; give the map max_len, e.g. CosFormerFeatures(max_len=N) with N at "
+        "least the whole sequence's length (N equal to it gives the numbers of max_len=None in one "
+        "process, non-causal)"
+    )
+
+
+def _features(phi: Optional[FeatureMap], x: Tensor, offset: int, name: str) -> Tensor:
+    """``φ(x)`` in the accumulation dtype; a position-dependent map is told that ``x`` starts at ``offset``."""
+    x_acc = x.to(_checks.accumulation_dtype(x.dtype))
+    if phi is None:
+        return x_acc
+    phi_x = phi(x_acc, offset=offset) if _position_dependent(phi) else phi(x_acc)
+    _checks.check_features(phi_x, x_acc, name)
+    return phi_x.to(x_acc.dtype)
+
+
+def _check_offset(offset) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset must be an int (the position of the slice's first token), got "
+                        f"{_checks.type_name(offset)}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0 (the position of the slice's first token), got {offset}")
+    return int(offset)
+
+
+def _slice_state(phi_k: Tensor, v: Tensor, attention_mask: Optional[Tensor]) -> LinearAttentionState:
+    """``S = φ(K)ᵀV`` and ``z = Σ_j φ(k_j)`` of features ``(B, H, T, M)``; padded keys masked out."""
+    v = v.to(phi_k.dtype)
+    if attention_mask is not None:
+        keep = attention_mask[:, None, :, None]
+        phi_k, v = torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
+    return LinearAttentionState(phi_k.transpose(-1, -2) @ v,       # (B, H, M, Dv)
+                                phi_k.sum(dim=-2))                 # (B, H, M)
+
+
 @_checks.reject_key_padding_mask
 def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, None] = "elu+1",
-                attention_mask: Optional[Tensor] = None) -> LinearAttentionState:
+                attention_mask: Optional[Tensor] = None, offset: int = 0) -> LinearAttentionState:
     """The state contributed by one slice of keys and values: ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)``.
 
     Katharopoulos et al. (2020), eq. 18, summed over the slice instead of a prefix. The
@@ -433,20 +491,29 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
         ``(B, T)`` bool, or integer holding 0/1: True (1) for real tokens, False (0) for
         padding, as Hugging Face's ``attention_mask`` (PyTorch's ``key_padding_mask`` means the
         opposite and is refused by name). Padded keys contribute nothing.
+    offset : int
+        Position of the slice's first key in the whole sequence (``Σ`` of the earlier slices'
+        lengths), passed to a position-dependent feature map (one with ``position_dependent =
+        True``, such as :class:`linattn.feature_maps.CosFormerFeatures`) as ``φ(k, offset=offset)``,
+        so that the slices' states add up to the whole sequence's. Other maps do not depend on
+        the position and ignore it. Default 0.
 
     Returns
     -------
     LinearAttentionState
         ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)`` in float32 (float64 for float64
-        inputs), differentiable with respect to ``k``, ``v`` and φ's parameters.
+        inputs), contiguous, differentiable with respect to ``k``, ``v`` and φ's parameters.
 
     Raises
     ------
     TypeError
-        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a bad feature map.
+        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a bad feature map;
+        a non-int ``offset``.
     ValueError
         Wrong ranks, ``k`` and ``v`` that disagree on batch, heads or length, a mask of the
-        wrong shape.
+        wrong shape; a negative ``offset``; ``offset > 0`` with a position-dependent map whose
+        ``max_len`` is None (its features would use the length ``offset + T``, right only for
+        the slice that ends the sequence); what the map raises (cosFormer: ``offset + T > max_len``).
     """
     layout = "(batch, heads, seq, dim)"
     _checks.check_tensor(k, "k", 4, layout)
@@ -458,17 +525,11 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
             f"and v {_checks.shape_str(v.shape)}"
         )
     attention_mask = _checks.check_attention_mask(attention_mask, k)
-    acc = _checks.accumulation_dtype(k.dtype)
+    offset = _check_offset(offset)
     phi = resolve_feature_map(feature_map)
-    k_acc, v_acc = k.to(acc), v.to(acc)
-    phi_k = k_acc if phi is None else phi(k_acc)                       # (B, H, T, M)
-    _checks.check_features(phi_k, k_acc, "k")
-    phi_k = phi_k.to(acc)
-    if attention_mask is not None:
-        keep = attention_mask[:, None, :, None]
-        phi_k, v_acc = torch.where(keep, phi_k, 0.0), torch.where(keep, v_acc, 0.0)
-    return LinearAttentionState(phi_k.transpose(-1, -2) @ v_acc,       # (B, H, M, Dv)
-                                phi_k.sum(dim=-2))                     # (B, H, M)
+    if offset > 0 and _position_dependent(phi) and getattr(phi, "max_len", None) is None:
+        raise _length_free_error(phi, f"local_state with offset={offset}")
+    return _slice_state(_features(phi, k, offset, "k"), v, attention_mask)
 
 
 def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
@@ -596,7 +657,17 @@ def sequence_parallel_linear_attention(
     feature_map, causal, normalize, eps, method, chunk_size, attention_mask
         As in :func:`linattn.linear_attention`, applied to this rank's slice (``method``
         and ``chunk_size`` choose the local algorithm; the mask is ``(B, Tk)`` for the slice).
-        There is no ``initial_state``: rank 0 starts from zero.
+        There is no ``initial_state``: rank 0 starts from zero. A position-dependent feature
+        map (``position_dependent = True``, such as
+        :class:`linattn.feature_maps.CosFormerFeatures`) is told where the slice starts: rank
+        ``r`` computes ``φ(q, offset=Σ_{s<r} Tq_s)`` and ``φ(k, offset=Σ_{s<r} Tk_s)`` (the
+        lengths come from the handshake) and uses those features for its state and its local
+        pass. Such a map must have a ``max_len`` (at least the whole sequence's length): with
+        ``max_len=None`` cosFormer divides positions by the length of its input, which on a
+        slice is not the whole sequence's. (Non-causal attention could in principle give it the
+        whole length, but the map's interface takes only ``offset``, and
+        ``max_len`` = the whole length gives exactly the numbers of ``max_len=None`` in one
+        process, so that is what to pass.)
     state_exchange : str
         Causal only: ``"allgather"`` (each rank gathers every rank's state and sums those to
         its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
@@ -629,18 +700,22 @@ def sequence_parallel_linear_attention(
         As :func:`linattn.linear_attention`; an unknown ``state_exchange``; ranks that
         disagree on any of the values listed above under "What the ranks must agree on"
         (raised on every rank, after one small all-gather, so no rank hangs; the message
-        shows every rank's values); on the other ranks, when one rank's inputs are invalid.
+        shows every rank's values); on the other ranks, when one rank's inputs are invalid;
+        a position-dependent feature map with ``max_len=None``, or one whose positions run
+        past ``max_len`` on some rank (raised there; the other ranks name it).
 
     Notes
     -----
     Communication per call and rank: one all-gather of ``P`` rows of 15 int64 (the check
-    above; a second small all-gather of names only when the feature maps differ), then the
+    above; a second small all-gather of names only when the feature maps differ; for a
+    position-dependent map, one more all-gather of one int64 per rank after its features at
+    the rank's offset are computed, so that a failure there reaches every rank), then the
     state, ``B·H·M·(Dv + 1)`` numbers, independent of the sequence length; the backward
     sends as much again.
     """
     caller = "sequence_parallel_linear_attention"
     ranks = _ranks(group, caller)
-    fields, error = None, None
+    fields, error, feature_map_name, positional = None, None, "", False
     try:
         _checks.check_qkv(q, k, v, causal=causal)
         causal = _checks.check_bool(causal, "causal")
@@ -650,29 +725,61 @@ def sequence_parallel_linear_attention(
         _checks.check_chunk_size(chunk_size)
         _resolve_method(method, causal)
         state_exchange = _check_state_exchange(state_exchange)
+        attention_mask = _checks.check_attention_mask(attention_mask, k)
         phi = resolve_feature_map(feature_map)
         feature_map_name = _feature_map_name(phi)
-        local = local_state(k, v, feature_map=phi, attention_mask=attention_mask)
+        positional = _position_dependent(phi)
+        if positional and getattr(phi, "max_len", None) is None:
+            raise _length_free_error(phi, caller)
+        # A position-dependent map needs this rank's offset, known after the handshake: until
+        # then, one token tells M (and checks the map's output).
+        probe = slice(0, 1) if positional else slice(None)
+        phi_q, phi_k = _features(phi, q[:, :, probe], 0, "q"), _features(phi, k[:, :, probe], 0, "k")
+        _check_same_features(phi_q, phi_k)
         B, H, Tq, D = q.shape
-        M, Dv = local.S.shape[-2:]
+        M, Dv = phi_k.shape[-1], v.shape[-1]
         fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
                   "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
                   "feature_map": _name_hash(feature_map_name),
                   "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
                   "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
     except Exception as err:  # reported to the other ranks by the handshake, raised here after it
-        error, feature_map_name = err, ""
-    _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
+        error = err
+    table = _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
+    if positional:            # rank r's slice starts at Σ_{s<r} T_s, of queries and of keys
+        q_offset = sum(row[_FIELDS.index("seq_q")] for row in table[:ranks.rank])
+        k_offset = sum(row[_FIELDS.index("seq_k")] for row in table[:ranks.rank])
+        try:
+            phi_q, phi_k = _features(phi, q, q_offset, "q"), _features(phi, k, k_offset, "k")
+            _check_same_features(phi_q, phi_k, M)
+        except Exception as err:  # e.g. offset + T > max_len on the last ranks: all ranks raise
+            error = err
+        _confirm(ranks, error, caller)
 
-    local_aug = local.augmented()                                              # (B, H, M, Dv + 1)
+    v_acc = v.to(phi_k.dtype)
+    local_aug = _slice_state(phi_k, v_acc, attention_mask).augmented()         # (B, H, M, Dv + 1)
     if causal:
         incoming = _PrefixOverRanks.apply(local_aug, ranks, state_exchange)    # Σ_{s<r} L_s
     else:
         incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
-    return linear_attention(
-        q, k, v, feature_map=phi, causal=causal, normalize=normalize, eps=eps, method=method,
+    result = linear_attention(
+        phi_q, phi_k, v_acc, feature_map=None, causal=causal, normalize=normalize, eps=eps, method=method,
         chunk_size=chunk_size, attention_mask=attention_mask,
         initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
+    if not return_state:
+        return result.to(q.dtype)
+    out, state = result
+    return out.to(q.dtype), state
+
+
+def _check_same_features(phi_q: Tensor, phi_k: Tensor, M: Optional[int] = None) -> None:
+    """φ gave queries and keys the same number of features (and ``M``, when given)."""
+    if phi_q.shape[-1] != phi_k.shape[-1] or (M is not None and phi_k.shape[-1] != M):
+        raise ValueError(
+            "feature_map must give q and k the same number of features M at every position, got "
+            f"φ(q) {_checks.shape_str(phi_q.shape)} and φ(k) {_checks.shape_str(phi_k.shape)}"
+            + ("" if M is None else f" (and M = {M} at position 0)")
+        )
 
 
 # ---------------------------------------------------------------------------------------

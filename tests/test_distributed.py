@@ -46,6 +46,16 @@ def _child_feature_map(spec):
     return spec
 
 
+def _cosformer(max_len):
+    return linattn.feature_maps.CosFormerFeatures(max_len=max_len)
+
+
+def _feature_map(case: dict, key: str = "feature_map"):
+    """The case's feature map: ``("cosformer", max_len)`` or the default elu+1."""
+    spec = case.get(key, case.get("feature_map"))
+    return "elu+1" if spec is None else _cosformer(spec[1])
+
+
 _PARTIAL = f"functools.partial({__name__}._scaled_elu, scale="
 _REFUSED = "cannot be compared across processes: "
 
@@ -91,6 +101,20 @@ CASES = {
         "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
         "bfloat16": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
                          dtype="bfloat16"),
+        # position-dependent features: each rank's slice starts at Σ of the earlier slices' lengths
+        "cosformer-causal": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
+                                 feature_map=("cosformer", 16)),
+        "cosformer-causal-unnorm-ring": dict(kind="linear", lengths=[2, 9], causal=True, normalize=False,
+                                             exchange="ring", feature_map=("cosformer", 11)),
+        "cosformer-noncausal": dict(kind="linear", lengths=[5, 7], causal=False, normalize=True,
+                                    exchange="allgather", feature_map=("cosformer", 30)),
+        "cosformer-noncausal-whole-length": dict(  # max_len = T gives one process's max_len=None
+            kind="linear", lengths=[5, 7], causal=False, normalize=True, exchange="allgather",
+            feature_map=("cosformer", 12), reference_feature_map=("cosformer", None)),
+        "cosformer-cross-attention": dict(kind="linear", lengths=[5, 7], q_lengths=[4, 2], causal=False,
+                                          normalize=True, exchange="allgather", feature_map=("cosformer", 12)),
+        "cosformer-mask": dict(kind="linear", lengths=[6, 5], causal=True, normalize=True, exchange="ring",
+                               mask=True, feature_map=("cosformer", 11)),
         **{f"options-{name}": dict(kind="options", lengths=[5, 7], **opts) for name, opts in {
             # agree, or may differ: computed, and equal to the single-process reference
             "exchange-unused-when-noncausal": dict(per_rank=[dict(causal=False, state_exchange="ring"),
@@ -137,6 +161,22 @@ CASES = {
             "feature-map-nested-function": dict(
                 per_rank=[dict(causal=True, feature_map="<nested: elu+1>")] * 2,
                 expect=("TypeError", [_REFUSED, "elu_plus_one is defined inside a function"])),
+            "cosformer-max-len-differs": dict(
+                per_rank=[dict(causal=True, feature_map=_cosformer(16)), dict(causal=True, feature_map=_cosformer(32))],
+                expect=("ValueError", ["disagree on feature_map (", "CosFormerFeatures(max_len=16)",
+                                       "CosFormerFeatures(max_len=32)"])),
+            "cosformer-max-len-none": dict(
+                per_rank=[dict(causal=False, feature_map=_cosformer(None))] * 2,
+                expect=("ValueError", ["feature_map CosFormerFeatures(max_len=None) depends on the position and "
+                                       "has max_len=None", "give the map max_len"])),
+            "cosformer-max-len-none-on-one-rank": dict(
+                per_rank=[dict(causal=True, feature_map=_cosformer(12)), dict(causal=True, feature_map=_cosformer(None))],
+                expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
+                        ("ValueError", ["has max_len=None"])]),
+            "cosformer-past-max-len-on-the-last-rank": dict(   # rank 1 holds positions 5..11
+                per_rank=[dict(causal=True, feature_map=_cosformer(10))] * 2,
+                expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
+                        ("ValueError", ["positions offset + T = 5 + 7 exceed max_len = 10"])]),
             # invalid on every rank: each raises its own error
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
@@ -151,6 +191,15 @@ CASES = {
         **_cases([3, 1, 6, 4]),
         "mismatch-value-dim": dict(kind="mismatch", lengths=[3, 3, 3, 3], field="value_dim"),
         "after-mismatch": dict(kind="linear", lengths=[2, 5, 1, 3], causal=True, normalize=True, exchange="ring"),
+        "cosformer-causal": dict(kind="linear", lengths=[3, 1, 6, 4], causal=True, normalize=True,
+                                 exchange="ring", feature_map=("cosformer", 20)),
+        "cosformer-causal-allgather": dict(kind="linear", lengths=[3, 1, 6, 4], causal=True, normalize=True,
+                                           exchange="allgather", feature_map=("cosformer", 14)),
+        "cosformer-noncausal": dict(kind="linear", lengths=[3, 1, 6, 4], causal=False, normalize=True,
+                                    exchange="allgather", feature_map=("cosformer", 14)),
+        "cosformer-cross-attention": dict(kind="linear", lengths=[3, 1, 6, 4], q_lengths=[1, 5, 2, 2],
+                                          causal=False, normalize=True, exchange="ring",
+                                          feature_map=("cosformer", 20)),
     },
 }
 
@@ -189,7 +238,7 @@ def _run_linear(name: str, case: dict, rank: int) -> dict:
     with count_bytes() as counter:
         out = sequence_parallel_linear_attention(
             q, k, v, causal=case["causal"], normalize=case["normalize"], state_exchange=case["exchange"],
-            attention_mask=mask, chunk_size=4)
+            attention_mask=mask, chunk_size=4, feature_map=_feature_map(case))
         (out.double() * w).sum().backward()
     return dict(out=out.detach(), grads=[x.grad for x in (q, k, v)], bytes=counter.by_op())
 
@@ -290,7 +339,7 @@ def _reference_linear(name: str, case: dict):
         q, k, v = (x.bfloat16().double() for x in (q, k, v))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = linattn.linear_attention(q, k, v, causal=case["causal"], normalize=case["normalize"],
-                                   attention_mask=mask)
+                                   attention_mask=mask, feature_map=_feature_map(case, "reference_feature_map"))
     (out * w).sum().backward()
     return out.detach(), [x.grad for x in (q, k, v)]
 
@@ -442,6 +491,35 @@ def test_local_state_is_the_state_linear_attention_returns():
     assert local_state(k.half(), v.half()).S.dtype == torch.float32
     with pytest.raises(ValueError, match="share batch, heads and seq"):
         local_state(k, v[:, :, :5])
+
+
+def test_local_state_passes_the_offset_to_a_position_dependent_map():
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(B, H, 12, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, 12, DV, generator=g, dtype=torch.float64)
+    for max_len in (12, 20, None):
+        phi = _cosformer(max_len)
+        feats = phi(k)                                               # positions 0..11 of the whole sequence
+        want_S, want_z = feats.transpose(-1, -2) @ v, feats.sum(dim=2)
+        if max_len is None:                                          # only a slice at offset 0 is defined
+            got = local_state(k, v, feature_map=phi)
+        else:
+            parts = [local_state(k[:, :, a:b], v[:, :, a:b], feature_map=phi, offset=a)
+                     for a, b in ((0, 5), (5, 6), (6, 12))]
+            got = linattn.LinearAttentionState(sum(p.S for p in parts), sum(p.z for p in parts))
+        _close(got.S, want_S, f"S, max_len={max_len}")
+        _close(got.z, want_z, f"z, max_len={max_len}")
+    # a map that does not depend on the position ignores the offset
+    assert torch.equal(local_state(k, v, offset=7).S, local_state(k, v).S)
+    with pytest.raises(ValueError, match=r"local_state with offset=5: feature_map CosFormerFeatures\(max_len=None\) "
+                                         "depends on the position and has max_len=None"):
+        local_state(k[:, :, 5:], v[:, :, 5:], feature_map=_cosformer(None), offset=5)
+    with pytest.raises(ValueError, match="exceed max_len"):
+        local_state(k, v, feature_map=_cosformer(12), offset=1)
+    with pytest.raises(ValueError, match="offset must be >= 0 .*, got -1"):
+        local_state(k, v, offset=-1)
+    with pytest.raises(TypeError, match="offset must be an int .*, got float"):
+        local_state(k, v, offset=1.0)
 
 
 def _top_level(x):
