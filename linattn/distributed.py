@@ -685,8 +685,10 @@ def sequence_parallel_linear_attention(
     out : Tensor
         ``(B, H, Tq, Dv)`` in the dtype of ``q``.
     state : LinearAttentionState
-        Only if ``return_state``: float32 (float64 for float64 inputs). States are also
-        exchanged in this dtype, so half inputs send float32 states.
+        Only if ``return_state``: float32 (float64 for float64 inputs), ``S`` and ``z``
+        contiguous, each in memory of its own (not views of one buffer, nor of an input),
+        whatever ``method`` computed them. States are also exchanged in this dtype, so half
+        inputs send float32 states.
 
     Raises
     ------
@@ -769,7 +771,15 @@ def sequence_parallel_linear_attention(
     if not return_state:
         return result.to(q.dtype)
     out, state = result
-    return out.to(q.dtype), state
+    return out.to(q.dtype), LinearAttentionState(_owned(state.S), _owned(state.z))
+
+
+def _owned(x: Tensor) -> Tensor:
+    """``x`` if it is contiguous and fills its own storage, else a contiguous copy (still differentiable):
+    a returned state must not be a view into a bigger buffer (``S`` and ``z`` sliced from one
+    ``(B, H, M, Dv + 1)`` tensor), which would keep that alive and change if it changed."""
+    whole = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    return x if x.is_contiguous() and whole else x.clone(memory_format=torch.contiguous_format)
 
 
 def _check_same_features(phi_q: Tensor, phi_k: Tensor, M: Optional[int] = None) -> None:

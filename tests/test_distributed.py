@@ -99,6 +99,10 @@ CASES = {
         "softmax-mismatch-dv": dict(kind="mismatch", lengths=[4, 4], field="value_dim", softmax=True),
         "return-state-causal": dict(kind="state", lengths=[5, 7], causal=True),
         "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
+        **{f"return-state-{method}-{'causal' if causal else 'noncausal'}": dict(
+            kind="state", lengths=[5, 7], causal=causal, method=method)
+           for causal, method in ((True, "chunk"), (True, "recurrent"), (True, "quadratic"),
+                                  (False, "parallel"), (False, "quadratic"))},
         "bfloat16": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
                          dtype="bfloat16"),
         # position-dependent features: each rank's slice starts at Σ of the earlier slices' lengths
@@ -289,6 +293,15 @@ def _run_options(name: str, case: dict, rank: int):
     return ("ok", out)
 
 
+def _layout(state, others: list[torch.Tensor]) -> dict:
+    """How the returned state's tensors sit in memory (checked in the rank: pickling would copy them)."""
+    def owns(x):
+        return x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    pointers = [x.untyped_storage().data_ptr() for x in (state.S, state.z, *others)]
+    return dict(contiguous=(state.S.is_contiguous(), state.z.is_contiguous()), owns=(owns(state.S), owns(state.z)),
+                distinct=len(set(pointers)) == len(pointers))
+
+
 def _worker(cases: dict[str, dict]) -> dict:
     """Runs on every rank: each case on this rank's slice; returns what the tests compare."""
     rank = dist.get_rank()
@@ -303,8 +316,9 @@ def _worker(cases: dict[str, dict]) -> dict:
             results[name] = dict(out=out, bytes=counter.by_op())
         elif case["kind"] == "state":
             q, k, v, _, _ = _local(name, case, rank)
-            _, state = sequence_parallel_linear_attention(q, k, v, causal=case["causal"], return_state=True)
-            results[name] = dict(S=state.S, z=state.z)
+            out, state = sequence_parallel_linear_attention(q, k, v, causal=case["causal"], return_state=True,
+                                                            method=case.get("method", "auto"), chunk_size=4)
+            results[name] = dict(S=state.S, z=state.z, layout=_layout(state, [q, k, v, out]))
         elif case["kind"] == "mismatch":
             results[name] = _run_mismatch(case, rank)
         elif case["kind"] == "options":
@@ -461,6 +475,23 @@ def test_return_state(ranks, causal):
     results = ranks(2)
     for rank, res in enumerate(results):
         want = first if (causal and rank == 0) else full
+        _close(res[name]["S"], want.S, f"rank {rank} S")
+        _close(res[name]["z"], want.z, f"rank {rank} z")
+
+
+STATE_IDS = [name for name, c in CASES[2].items() if c["kind"] == "state" and "method" in c]
+
+
+@pytest.mark.parametrize("name", STATE_IDS)
+def test_returned_states_are_contiguous_and_own_their_memory(ranks, name):
+    case = CASES[2][name]
+    q, k, v, _, _ = _inputs(name, case)
+    _, full = linattn.linear_attention(q, k, v, causal=case["causal"], return_state=True)
+    _, first = linattn.linear_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], causal=True, return_state=True)
+    for rank, res in enumerate(ranks(2)):
+        layout = res[name]["layout"]
+        assert layout == dict(contiguous=(True, True), owns=(True, True), distinct=True), f"rank {rank}: {layout}"
+        want = first if (case["causal"] and rank == 0) else full
         _close(res[name]["S"], want.S, f"rank {rank} S")
         _close(res[name]["z"], want.z, f"rank {rank} z")
 
