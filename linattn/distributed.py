@@ -822,6 +822,29 @@ def _circulate(block: Tensor, ranks: _Ranks, sizes: list[int]) -> Iterator[tuple
         block = incoming
 
 
+def _visible_weighted_sum(p: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """``Σ_j p_ij v_j`` over the visible pairs ``(i, j)`` only: ``(B, H, Tq, Tk) × (B, H, Tk, Dv) -> (B, H, Tq, Dv)``.
+
+    ``p @ v`` alone is wrong in one case: a masked weight is 0, and ``0 · NaN`` and ``0 · inf``
+    are NaN, so a NaN or inf value at a later position would reach every earlier query.
+    Tokens whose values are all finite go through the matmul; the others (rare, and only
+    when present: one ``isfinite`` check otherwise) are added where ``visible`` (``(Tq, Tk)``
+    bool) allows, a few tokens at a time so the temporary stays within the size of ``p``.
+    """
+    finite = torch.isfinite(v).all(dim=-1)                                # (B, H, Tk)
+    if bool(finite.all()):
+        return p @ v
+    out = p @ torch.where(finite[..., None], v, 0.0)                      # the finite tokens
+    bad = (~finite).any(dim=1).any(dim=0).nonzero().flatten()            # tokens non-finite somewhere
+    step = max(1, v.shape[-2] // v.shape[-1])
+    for start in range(0, len(bad), step):
+        j = bad[start:start + step]
+        pick = visible[:, j] & ~finite[:, :, None, j]                    # (B, H, Tq, n)
+        terms = torch.where(pick[..., None], p[..., j, None] * v[:, :, None, j], 0.0)   # (B, H, Tq, n, Dv)
+        out = out + terms.sum(dim=-2)
+    return out
+
+
 def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool = False,
                            scale: Optional[float] = None) -> Tensor:
     """Softmax attention over a sequence split across ranks, by passing key/value blocks around a ring.
@@ -831,7 +854,9 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     (Milakov & Gimelshein, 2018): a running row maximum ``m``, normaliser ``l`` and
     unnormalised output ``o``, rescaled by ``exp(m_old - m_new)`` as blocks arrive. When
     causal, blocks of later ranks are skipped (but still passed on) and a rank's own block
-    is masked with ``tril``. Each rank sends ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)``
+    is masked with ``tril``; a NaN or inf in a later key or value reaches no earlier query
+    (the query at its position and later ones see it, as in one process), since masked pairs
+    are left out of the weighted sum rather than multiplied by a zero weight. Each rank sends ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)``
     numbers for equal slices, linear in ``T``.
 
     This is the baseline for chapter 11: forward only (no backward pass), and each step
@@ -897,13 +922,15 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
             continue                                              # later tokens: invisible
         k_b, v_b = block[..., :D].to(acc), block[..., D:].to(acc)
         scores = q_acc @ k_b.transpose(-1, -2)                    # (B, H, Tq, T_src)
-        if causal and src == ranks.rank:
-            scores = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool).tril(), -math.inf)
+        diagonal = causal and src == ranks.rank
+        if diagonal:
+            visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # (Tq, Tk)
+            scores = scores.masked_fill(~visible, -math.inf)
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         p = torch.exp(scores - m_new)
         rescale = torch.exp(m - m_new)
         l = l * rescale + p.sum(dim=-1, keepdim=True)
-        o = o * rescale + p @ v_b
+        o = o * rescale + (_visible_weighted_sum(p, v_b, visible) if diagonal else p @ v_b)
         m = m_new
     return (o / l).to(q.dtype)
 

@@ -80,7 +80,9 @@ def _cases(lengths: list[int]) -> dict[str, dict]:
 
 CASES = {
     1: {**_cases([7]), "mask": dict(kind="linear", lengths=[7], causal=True, normalize=True, exchange="ring",
-                                     mask=True)},
+                                     mask=True),
+        "softmax-nonfinite": dict(kind="softmax", lengths=[9], causal=True, nonfinite={"v": [(6, "nan")],
+                                                                                    "k": [(8, "nan")]})},
     2: {
         **_cases([5, 7]),
         "mismatch-heads": dict(kind="mismatch", lengths=[4, 4], field="heads"),
@@ -96,6 +98,11 @@ CASES = {
                                 exchange="allgather"),
         "mismatch-causal": dict(kind="mismatch", lengths=[4, 4], field="causal"),
         "softmax-one-token": dict(kind="softmax", lengths=[1, 9], causal=True),
+        # a NaN or inf at a later position of the same rank must not reach earlier queries
+        "softmax-nonfinite-first-rank": dict(kind="softmax", lengths=[5, 7], causal=True,
+                                             nonfinite={"v": [(3, "nan")]}),
+        "softmax-nonfinite-last-rank": dict(kind="softmax", lengths=[5, 7], causal=True,
+                                            nonfinite={"v": [(9, "inf"), (11, "-inf")], "k": [(10, "nan")]}),
         "softmax-mismatch-dv": dict(kind="mismatch", lengths=[4, 4], field="value_dim", softmax=True),
         "return-state-causal": dict(kind="state", lengths=[5, 7], causal=True),
         "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
@@ -194,6 +201,8 @@ CASES = {
     4: {
         **_cases([3, 1, 6, 4]),
         "mismatch-value-dim": dict(kind="mismatch", lengths=[3, 3, 3, 3], field="value_dim"),
+        "softmax-nonfinite": dict(kind="softmax", lengths=[3, 1, 6, 4], causal=True,
+                                  nonfinite={"v": [(2, "inf"), (8, "nan")], "k": [(13, "nan")]}),
         "after-mismatch": dict(kind="linear", lengths=[2, 5, 1, 3], causal=True, normalize=True, exchange="ring"),
         "cosformer-causal": dict(kind="linear", lengths=[3, 1, 6, 4], causal=True, normalize=True,
                                  exchange="ring", feature_map=("cosformer", 20)),
@@ -220,6 +229,9 @@ def _inputs(name: str, case: dict):
     v = torch.randn(B, H, Tk, DV, generator=g, dtype=torch.float64)
     w = torch.randn(B, H, Tq, DV, generator=g, dtype=torch.float64)   # loss = Σ w ⊙ out
     mask = torch.rand(B, Tk, generator=g) > 0.3 if case.get("mask") else None
+    for name, x in (("k", k), ("v", v)):
+        for t, value in case.get("nonfinite", {}).get(name, []):
+            x[1, 0, t, 1] = float(value)                               # one entry of one batch and head
     return q, k, v, w, mask
 
 
@@ -387,7 +399,8 @@ def test_ring_and_allgather_exchanges_agree_bit_for_bit(ranks, world_size):
             assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
 
 
-SOFTMAX_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items() if c["kind"] == "softmax"]
+SOFTMAX_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items()
+               if c["kind"] == "softmax" and "nonfinite" not in c]
 
 
 @pytest.mark.parametrize("world_size,name", SOFTMAX_IDS, ids=[f"P{P}-{n}" for P, n in SOFTMAX_IDS])
@@ -397,6 +410,33 @@ def test_ring_softmax_equals_softmax_attention(ranks, world_size, name):
     want = linattn.softmax_attention(q, k, v, causal=case["causal"])
     for rank, res in enumerate(ranks(world_size)):
         _close(res[name]["out"], want[:, :, _slice(case["lengths"], rank)], f"rank {rank}")
+
+
+def _causal_softmax_by_rows(q, k, v):
+    """Causal softmax attention one query at a time, over its own keys only (no masked pairs at all)."""
+    rows = []
+    for i in range(q.shape[2]):
+        w = torch.softmax(q[:, :, i:i + 1] @ k[:, :, :i + 1].transpose(-1, -2) / D ** 0.5, dim=-1)  # (B, H, 1, i+1)
+        rows.append(w @ v[:, :, :i + 1])
+    return torch.cat(rows, dim=2)
+
+
+NONFINITE_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items() if "nonfinite" in c]
+
+
+@pytest.mark.parametrize("world_size,name", NONFINITE_IDS, ids=[f"P{P}-{n}" for P, n in NONFINITE_IDS])
+def test_ring_softmax_a_nan_or_inf_reaches_no_earlier_query(ranks, world_size, name):
+    case = CASES[world_size][name]
+    q, k, v, _, _ = _inputs(name, case)
+    want = _causal_softmax_by_rows(q, k, v)
+    first = min(t for spots in case["nonfinite"].values() for t, _ in spots)
+    assert torch.isfinite(want[:, :, :first]).all() and not torch.isfinite(want[:, :, first:]).all()
+    for rank, res in enumerate(ranks(world_size)):
+        got, ref = res[name]["out"], want[:, :, _slice(case["lengths"], rank)]
+        assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), f"rank {rank}: NaN/inf at other places"
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"rank {rank}: NaN where one process has inf"
+        ok = torch.isfinite(ref)
+        _close(got[ok], ref[ok], f"rank {rank} finite outputs")
 
 
 def _state_nbytes() -> int:
@@ -551,6 +591,25 @@ def test_local_state_passes_the_offset_to_a_position_dependent_map():
         local_state(k, v, offset=-1)
     with pytest.raises(TypeError, match="offset must be an int .*, got float"):
         local_state(k, v, offset=1.0)
+
+
+def test_the_masked_weighted_sum_leaves_masked_pairs_out():
+    from linattn.distributed import _visible_weighted_sum
+    g = torch.Generator().manual_seed(2)
+    p = torch.rand(B, H, 11, 11, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, 11, 4, generator=g, dtype=torch.float64)    # 11 // 4: two tokens a step
+    visible = torch.ones(11, 11, dtype=torch.bool).tril()
+    p = p * visible                                                # masked weights are 0, as exp(-inf) gives
+    v[0, 1, 3, 0], v[1, 2, 7, 1], v[1, 0, 8] = float("nan"), float("inf"), float("-inf")
+    v[:, :, 10, 0] = float("nan")                                  # more bad tokens than one step takes
+    want = torch.stack([sum(p[..., i, j, None] * v[..., j, :] for j in range(i + 1)) for i in range(11)], dim=2)
+    got = _visible_weighted_sum(p, v, visible)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isfinite(got[:, :, :3]).all()
+    ok = torch.isfinite(want)
+    _close(got[ok], want[ok], "finite entries")
+    clean = torch.randn(B, H, 11, 4, generator=g, dtype=torch.float64)
+    assert torch.equal(_visible_weighted_sum(p, clean, visible), p @ clean)   # no NaN: the plain matmul
 
 
 def _top_level(x):
