@@ -424,6 +424,16 @@ def _check_state_exchange(state_exchange) -> str:
 # ---------------------------------------------------------------------------------------
 
 
+def _no_autocast(x) -> contextlib.AbstractContextManager:
+    """Autocast off on ``x``'s device: linattn picks its own dtypes (float32 accumulation, float64
+    kept), which an autocast region would override with low-precision matmuls (and then ``S``
+    and ``z``, or a score block and its running sums, would not even share a dtype)."""
+    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
 def _position_dependent(phi: Optional[FeatureMap]) -> bool:
     """True for a map whose features depend on the position (``position_dependent = True``,
     e.g. :class:`linattn.feature_maps.CosFormerFeatures`): it takes ``offset=``."""
@@ -503,6 +513,8 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
     LinearAttentionState
         ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)`` in float32 (float64 for float64
         inputs), contiguous, differentiable with respect to ``k``, ``v`` and φ's parameters.
+        Inside a ``torch.autocast`` region the same numbers: autocast is turned off here (φ
+        included), since it would round the sums to bfloat16/float16.
 
     Raises
     ------
@@ -529,7 +541,8 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
     phi = resolve_feature_map(feature_map)
     if offset > 0 and _position_dependent(phi) and getattr(phi, "max_len", None) is None:
         raise _length_free_error(phi, f"local_state with offset={offset}")
-    return _slice_state(_features(phi, k, offset, "k"), v, attention_mask)
+    with _no_autocast(k):
+        return _slice_state(_features(phi, k, offset, "k"), v, attention_mask)
 
 
 def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
@@ -683,7 +696,9 @@ def sequence_parallel_linear_attention(
     Returns
     -------
     out : Tensor
-        ``(B, H, Tq, Dv)`` in the dtype of ``q``.
+        ``(B, H, Tq, Dv)`` in the dtype of ``q``. Inside a ``torch.autocast`` region the same
+        numbers as outside: autocast is turned off for the whole call (the feature map
+        included), which computes in float32 (float64 for float64 inputs) as everywhere.
     state : LinearAttentionState
         Only if ``return_state``: float32 (float64 for float64 inputs), ``S`` and ``z``
         contiguous, each in memory of its own (not views of one buffer, nor of an input),
@@ -717,61 +732,62 @@ def sequence_parallel_linear_attention(
     """
     caller = "sequence_parallel_linear_attention"
     ranks = _ranks(group, caller)
-    fields, error, feature_map_name, positional = None, None, "", False
-    try:
-        _checks.check_qkv(q, k, v, causal=causal)
-        causal = _checks.check_bool(causal, "causal")
-        normalize = _checks.check_bool(normalize, "normalize")
-        return_state = _checks.check_bool(return_state, "return_state")
-        _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
-        _checks.check_chunk_size(chunk_size)
-        _resolve_method(method, causal)
-        state_exchange = _check_state_exchange(state_exchange)
-        attention_mask = _checks.check_attention_mask(attention_mask, k)
-        phi = resolve_feature_map(feature_map)
-        feature_map_name = _feature_map_name(phi)
-        positional = _position_dependent(phi)
-        if positional and getattr(phi, "max_len", None) is None:
-            raise _length_free_error(phi, caller)
-        # A position-dependent map needs this rank's offset, known after the handshake: until
-        # then, one token tells M (and checks the map's output).
-        probe = slice(0, 1) if positional else slice(None)
-        phi_q, phi_k = _features(phi, q[:, :, probe], 0, "q"), _features(phi, k[:, :, probe], 0, "k")
-        _check_same_features(phi_q, phi_k)
-        B, H, Tq, D = q.shape
-        M, Dv = phi_k.shape[-1], v.shape[-1]
-        fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
-                  "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
-                  "feature_map": _name_hash(feature_map_name),
-                  "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
-                  "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
-    except Exception as err:  # reported to the other ranks by the handshake, raised here after it
-        error = err
-    table = _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
-    if positional:            # rank r's slice starts at Σ_{s<r} T_s, of queries and of keys
-        q_offset = sum(row[_FIELDS.index("seq_q")] for row in table[:ranks.rank])
-        k_offset = sum(row[_FIELDS.index("seq_k")] for row in table[:ranks.rank])
+    with _no_autocast(q):         # linattn's own dtypes, also inside an autocast region
+        fields, error, feature_map_name, positional = None, None, "", False
         try:
-            phi_q, phi_k = _features(phi, q, q_offset, "q"), _features(phi, k, k_offset, "k")
-            _check_same_features(phi_q, phi_k, M)
-        except Exception as err:  # e.g. offset + T > max_len on the last ranks: all ranks raise
+            _checks.check_qkv(q, k, v, causal=causal)
+            causal = _checks.check_bool(causal, "causal")
+            normalize = _checks.check_bool(normalize, "normalize")
+            return_state = _checks.check_bool(return_state, "return_state")
+            _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
+            _checks.check_chunk_size(chunk_size)
+            _resolve_method(method, causal)
+            state_exchange = _check_state_exchange(state_exchange)
+            attention_mask = _checks.check_attention_mask(attention_mask, k)
+            phi = resolve_feature_map(feature_map)
+            feature_map_name = _feature_map_name(phi)
+            positional = _position_dependent(phi)
+            if positional and getattr(phi, "max_len", None) is None:
+                raise _length_free_error(phi, caller)
+            # A position-dependent map needs this rank's offset, known after the handshake: until
+            # then, one token tells M (and checks the map's output).
+            probe = slice(0, 1) if positional else slice(None)
+            phi_q, phi_k = _features(phi, q[:, :, probe], 0, "q"), _features(phi, k[:, :, probe], 0, "k")
+            _check_same_features(phi_q, phi_k)
+            B, H, Tq, D = q.shape
+            M, Dv = phi_k.shape[-1], v.shape[-1]
+            fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
+                      "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
+                      "feature_map": _name_hash(feature_map_name),
+                      "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
+                      "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
+        except Exception as err:  # reported to the other ranks by the handshake, raised here after it
             error = err
-        _confirm(ranks, error, caller)
+        table = _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
+        if positional:            # rank r's slice starts at Σ_{s<r} T_s, of queries and of keys
+            q_offset = sum(row[_FIELDS.index("seq_q")] for row in table[:ranks.rank])
+            k_offset = sum(row[_FIELDS.index("seq_k")] for row in table[:ranks.rank])
+            try:
+                phi_q, phi_k = _features(phi, q, q_offset, "q"), _features(phi, k, k_offset, "k")
+                _check_same_features(phi_q, phi_k, M)
+            except Exception as err:  # e.g. offset + T > max_len on the last ranks: all ranks raise
+                error = err
+            _confirm(ranks, error, caller)
 
-    v_acc = v.to(phi_k.dtype)
-    local_aug = _slice_state(phi_k, v_acc, attention_mask).augmented()         # (B, H, M, Dv + 1)
-    if causal:
-        incoming = _PrefixOverRanks.apply(local_aug, ranks, state_exchange)    # Σ_{s<r} L_s
-    else:
-        incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
-    result = linear_attention(
-        phi_q, phi_k, v_acc, feature_map=None, causal=causal, normalize=normalize, eps=eps, method=method,
-        chunk_size=chunk_size, attention_mask=attention_mask,
-        initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
-    if not return_state:
-        return result.to(q.dtype)
-    out, state = result
-    return out.to(q.dtype), LinearAttentionState(_owned(state.S), _owned(state.z))
+        v_acc = v.to(phi_k.dtype)
+        local_aug = _slice_state(phi_k, v_acc, attention_mask).augmented()         # (B, H, M, Dv + 1)
+        if causal:
+            incoming = _PrefixOverRanks.apply(local_aug, ranks, state_exchange)    # Σ_{s<r} L_s
+        else:
+            incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
+        result = linear_attention(
+            phi_q, phi_k, v_acc, feature_map=None, causal=causal, normalize=normalize, eps=eps, method=method,
+            chunk_size=chunk_size, attention_mask=attention_mask,
+            initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
+        if not return_state:
+            return result.to(q.dtype)
+        out, state = result
+        return out.to(q.dtype), LinearAttentionState(_owned(state.S), _owned(state.z))
 
 
 def _owned(x: Tensor) -> Tensor:
@@ -880,8 +896,9 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     Returns
     -------
     Tensor
-        ``(B, H, Tq, Dv)`` in the dtype of ``q`` (float32 arithmetic for half inputs),
-        equal to :func:`linattn.softmax_attention` on the concatenated sequence, sliced.
+        ``(B, H, Tq, Dv)`` in the dtype of ``q`` (float32 arithmetic for half inputs, also
+        inside a ``torch.autocast`` region, which is turned off here), equal to
+        :func:`linattn.softmax_attention` on the concatenated sequence, sliced.
         It does not require grad.
 
     Raises
@@ -911,7 +928,14 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
         error = err
     table = _handshake(ranks, fields, error, caller, _SOFTMAX_FIELDS)
     sizes = [row[_FIELDS.index("seq_k")] for row in table]
+    with _no_autocast(q):
+        return _ring_pass(q, k, v, ranks, sizes, causal, scale, acc)
 
+
+def _ring_pass(q: Tensor, k: Tensor, v: Tensor, ranks: _Ranks, sizes: list[int], causal: bool, scale: float,
+               acc: torch.dtype) -> Tensor:
+    """The online-softmax loop of :func:`ring_softmax_attention`, after the handshake."""
+    D = q.shape[-1]
     q_acc = q.to(acc) * scale                                     # (B, H, Tq, D)
     m = q_acc.new_full((*q.shape[:3], 1), -math.inf)              # running row maximum
     l = q_acc.new_zeros((*q.shape[:3], 1))                        # running normaliser

@@ -104,6 +104,7 @@ CASES = {
         "softmax-nonfinite-last-rank": dict(kind="softmax", lengths=[5, 7], causal=True,
                                             nonfinite={"v": [(9, "inf"), (11, "-inf")], "k": [(10, "nan")]}),
         "softmax-mismatch-dv": dict(kind="mismatch", lengths=[4, 4], field="value_dim", softmax=True),
+        "autocast": dict(kind="autocast", lengths=[5, 7]),
         "return-state-causal": dict(kind="state", lengths=[5, 7], causal=True),
         "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
         **{f"return-state-{method}-{'causal' if causal else 'noncausal'}": dict(
@@ -314,6 +315,40 @@ def _layout(state, others: list[torch.Tensor]) -> dict:
                 distinct=len(set(pointers)) == len(pointers))
 
 
+def _run_autocast(name: str, case: dict) -> dict:
+    """Each call in and out of a bfloat16 autocast region, on the same inputs: "equal" or what differed."""
+    q64, k64, v64, w, _ = _local(name, case, dist.get_rank())
+    calls = {
+        "linear-causal": lambda q, k, v: sequence_parallel_linear_attention(q, k, v, causal=True, chunk_size=4),
+        "linear-causal-cosformer": lambda q, k, v: sequence_parallel_linear_attention(
+            q, k, v, causal=True, feature_map=_cosformer(12), method="quadratic"),
+        "linear-noncausal-state": lambda q, k, v: sequence_parallel_linear_attention(
+            q, k, v, causal=False, return_state=True)[1].S,
+        "softmax-causal": lambda q, k, v: ring_softmax_attention(q, k, v, causal=True),
+    }
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for label, call in calls.items():
+            runs = []
+            for autocast in (False, True):
+                q, k, v = (x.to(dtype).requires_grad_(not label.startswith("softmax")) for x in (q64, k64, v64))
+                try:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        with torch.set_grad_enabled(not label.startswith("softmax")):
+                            out = call(q, k, v)
+                    if out.requires_grad:
+                        (out.double() * (w if out.shape == w.shape else 1.0)).sum().backward()
+                    runs.append((out.detach(), [x.grad for x in (q, k, v)]))
+                except (RuntimeError, ValueError, TypeError) as err:
+                    runs.append((f"{type(err).__name__}: {err}", []))
+            (a, grads_a), (b, grads_b) = runs
+            same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                    and torch.equal(a, b) and all(x is None and y is None or torch.equal(x, y)
+                                                  for x, y in zip(grads_a, grads_b)))
+            report[f"{label} {dtype}"] = "equal" if same else f"without autocast: {a!r:.200}; with: {b!r:.200}"
+    return report
+
+
 def _worker(cases: dict[str, dict]) -> dict:
     """Runs on every rank: each case on this rank's slice; returns what the tests compare."""
     rank = dist.get_rank()
@@ -335,6 +370,8 @@ def _worker(cases: dict[str, dict]) -> dict:
             results[name] = _run_mismatch(case, rank)
         elif case["kind"] == "options":
             results[name] = _run_options(name, case, rank)
+        elif case["kind"] == "autocast":
+            results[name] = _run_autocast(name, case)
         else:
             results[name] = _run_invalid(case, rank)
     return results
@@ -519,6 +556,15 @@ def test_return_state(ranks, causal):
         _close(res[name]["z"], want.z, f"rank {rank} z")
 
 
+def test_autocast_changes_no_number(ranks):
+    """linattn computes in float32 (float64 kept) in and out of an autocast region: the same
+    outputs, states and gradients, for float32 and bfloat16 inputs."""
+    for rank, res in enumerate(ranks(2)):
+        assert len(res["autocast"]) == 8
+        for call, verdict in res["autocast"].items():
+            assert verdict == "equal", f"rank {rank}, {call}: {verdict}"
+
+
 STATE_IDS = [name for name, c in CASES[2].items() if c["kind"] == "state" and "method" in c]
 
 
@@ -562,6 +608,18 @@ def test_local_state_is_the_state_linear_attention_returns():
     assert local_state(k.half(), v.half()).S.dtype == torch.float32
     with pytest.raises(ValueError, match="share batch, heads and seq"):
         local_state(k, v[:, :, :5])
+
+
+def test_local_state_is_the_same_under_autocast():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(B, H, 9, D, generator=g)
+    v = torch.randn(B, H, 9, DV, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = local_state(k.to(dtype), v.to(dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = local_state(k.to(dtype), v.to(dtype))
+        assert got.S.dtype == got.z.dtype == torch.float32
+        assert torch.equal(got.S, want.S) and torch.equal(got.z, want.z), dtype
 
 
 def test_local_state_passes_the_offset_to_a_position_dependent_map():
