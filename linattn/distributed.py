@@ -408,6 +408,14 @@ def _decode(name: str, value: int, feature_map_name: str = ""):
     return value
 
 
+def _dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s column value in the handshake; TypeError for a dtype linattn does not compute in."""
+    if dtype not in _DTYPES:
+        raise TypeError(f"q, k and v must be one of {', '.join(map(str, _DTYPES))} for sequence parallelism, "
+                        f"got {dtype}")
+    return _DTYPES.index(dtype)
+
+
 def _check_state_exchange(state_exchange) -> str:
     """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored)."""
     if not isinstance(state_exchange, str):
@@ -710,7 +718,8 @@ def sequence_parallel_linear_attention(
     RuntimeError
         If torch.distributed is not initialised.
     TypeError
-        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup; a
+        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup; a dtype
+        other than float16, bfloat16, float32 and float64 (e.g. a float8 type); a
         feature map that cannot be compared across ranks (see above; raised on the ranks
         that pass one, and the others raise a ValueError naming them, so no rank hangs).
     ValueError
@@ -736,6 +745,7 @@ def sequence_parallel_linear_attention(
         fields, error, feature_map_name, positional = None, None, "", False
         try:
             _checks.check_qkv(q, k, v, causal=causal)
+            dtype_code = _dtype_code(q.dtype)
             causal = _checks.check_bool(causal, "causal")
             normalize = _checks.check_bool(normalize, "normalize")
             return_state = _checks.check_bool(return_state, "return_state")
@@ -760,7 +770,7 @@ def sequence_parallel_linear_attention(
                       "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
                       "feature_map": _name_hash(feature_map_name),
                       "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
-                      "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
+                      "dtype": dtype_code, "seq_q": Tq, "seq_k": k.shape[2]}
         except Exception as err:  # reported to the other ranks by the handshake, raised here after it
             error = err
         table = _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
@@ -907,7 +917,8 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
         If torch.distributed is not initialised; if an input requires grad while grad mode
         is on (there is no backward pass; wrap the call in ``torch.no_grad()``).
     TypeError, ValueError
-        As :func:`linattn.softmax_attention`; ranks that disagree on batch, heads, dims,
+        As :func:`linattn.softmax_attention`; (TypeError) a dtype other than float16,
+        bfloat16, float32 and float64; ranks that disagree on batch, heads, dims,
         dtype, ``causal`` or ``scale`` (compared exactly, as float64 bits, after the default
         ``1/sqrt(D)`` is filled in); raised on every rank. Only the sequence lengths may differ.
     """
@@ -916,6 +927,7 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     fields, error = None, None
     try:
         _checks.check_qkv(q, k, v, causal=causal)
+        dtype_code = _dtype_code(q.dtype)
         causal = _checks.check_bool(causal, "causal")
         acc = _checks.accumulation_dtype(q.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _checks.check_positive_float(scale, "scale", acc)
@@ -923,7 +935,7 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
             raise RuntimeError(f"{caller} has no backward pass: call it under torch.no_grad()")
         B, H, Tq, D = q.shape
         fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": v.shape[-1], "causal": int(causal),
-                  "scale": _float_bits(scale), "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
+                  "scale": _float_bits(scale), "dtype": dtype_code, "seq_q": Tq, "seq_k": k.shape[2]}
     except Exception as err:
         error = err
     table = _handshake(ranks, fields, error, caller, _SOFTMAX_FIELDS)

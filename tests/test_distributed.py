@@ -190,6 +190,11 @@ CASES = {
                 expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
                         ("ValueError", ["positions offset + T = 5 + 7 exceed max_len = 10"])]),
             # invalid on every rank: each raises its own error
+            **{f"dtype-float8{'-softmax' if softmax else ''}": dict(
+                softmax=softmax, dtype="float8_e4m3fn", per_rank=[dict(causal=True)] * 2,
+                expect=("TypeError", ["q, k and v must be one of torch.float16, torch.bfloat16, torch.float32, "
+                                      "torch.float64 for sequence parallelism, got torch.float8_e4m3fn"]))
+               for softmax in (False, True)},
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
                 expect=("TypeError", ["state_exchange must be a str, one of ('allgather', 'ring'), got int"])),
@@ -293,6 +298,7 @@ def _run_invalid(case: dict, rank: int) -> tuple[str, str]:
 def _run_options(name: str, case: dict, rank: int):
     """One call with this rank's own options: ("ok", out) or (exception type name, message)."""
     q, k, v, _, _ = _local(name, case, rank)
+    q, k, v = (x.to(getattr(torch, case.get("dtype", "float64"))) for x in (q, k, v))
     opts = dict(case["per_rank"][rank])
     if "feature_map" in opts:
         opts["feature_map"] = _child_feature_map(opts["feature_map"])
