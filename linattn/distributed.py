@@ -437,7 +437,8 @@ def _no_autocast(x) -> contextlib.AbstractContextManager:
     kept), which an autocast region would override with low-precision matmuls (and then ``S``
     and ``z``, or a score block and its running sums, would not even share a dtype)."""
     device_type = x.device.type if isinstance(x, Tensor) else "cpu"
-    if not torch.amp.is_autocast_available(device_type):
+    available = getattr(torch.amp, "is_autocast_available", None)     # torch >= 2.4
+    if not (available(device_type) if available else device_type in ("cpu", "cuda")):
         return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
 
@@ -654,13 +655,15 @@ def sequence_parallel_linear_attention(
     ``functools.partial`` by its function and its arguments, which must be plain values
     (numbers, strings, bools, None, tuples of them); an ``nn.Module`` by its class and its
     ``repr`` (so ``CosFormerFeatures(max_len=64)`` and ``CosFormerFeatures(max_len=128)``
-    disagree); another callable object by its class. What has no name that identifies it is
-    refused with a TypeError: a lambda (every lambda is ``<lambda>``), a function or class
-    defined inside a function (it may close over values that differ between ranks), a
-    partial with a tensor or other non-plain argument, a callable implemented in C (a NumPy
-    ufunc). A feature map's parameters and buffers (a Performer projection, Hedgehog weights)
-    are *not* compared: they must be equal on every rank (same seed, or broadcast them). Free to
-    differ between ranks: the sequence lengths, ``attention_mask`` and ``return_state``
+    disagree); another callable object by its class (its attributes are not compared). What
+    has no name that identifies it is refused with a TypeError: a lambda (every lambda is
+    ``<lambda>``), a function or class defined inside a function (it may close over values
+    that differ between ranks), a partial with a tensor or other non-plain argument, a
+    callable implemented in C (a NumPy ufunc). A feature map's parameters and buffers (a
+    Performer projection, Hedgehog weights) are *not* compared: they must be equal on every
+    rank (same seed, or broadcast them). Free to
+    differ between ranks: the sequence lengths (the table gives every rank all of them, hence
+    its position offset for a position-dependent map), ``attention_mask`` and ``return_state``
     (local to each rank), ``method`` and ``chunk_size`` (they only choose how a rank
     computes its own slice; the results agree up to rounding), and ``state_exchange`` when
     ``causal=False``.
@@ -882,8 +885,8 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     causal, blocks of later ranks are skipped (but still passed on) and a rank's own block
     is masked with ``tril``; a NaN or inf in a later key or value reaches no earlier query
     (the query at its position and later ones see it, as in one process), since masked pairs
-    are left out of the weighted sum rather than multiplied by a zero weight. Each rank sends ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)``
-    numbers for equal slices, linear in ``T``.
+    are left out of the weighted sum rather than multiplied by a zero weight. Each rank sends
+    ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)`` numbers for equal slices, linear in ``T``.
 
     This is the baseline for chapter 11: forward only (no backward pass), and each step
     forms the full ``(B, H, Tq, T_block)`` score block.

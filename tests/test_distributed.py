@@ -182,7 +182,8 @@ CASES = {
                 expect=("ValueError", ["feature_map CosFormerFeatures(max_len=None) depends on the position and "
                                        "has max_len=None", "give the map max_len"])),
             "cosformer-max-len-none-on-one-rank": dict(
-                per_rank=[dict(causal=True, feature_map=_cosformer(12)), dict(causal=True, feature_map=_cosformer(None))],
+                per_rank=[dict(causal=True, feature_map=_cosformer(12)),
+                          dict(causal=True, feature_map=_cosformer(None))],
                 expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
                         ("ValueError", ["has max_len=None"])]),
             "cosformer-past-max-len-on-the-last-rank": dict(   # rank 1 holds positions 5..11
