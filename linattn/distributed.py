@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import math
 import numbers
@@ -228,14 +229,99 @@ def _bits_float(bits: int) -> float:
 
 
 def _feature_map_name(phi: Optional[FeatureMap]) -> str:
-    """What identifies a resolved feature map across processes: a function's (or method's)
-    qualified name, or the class of any other callable (a module's parameters are not part of it)."""
+    """What identifies a resolved feature map across processes (hashed by the handshake).
+
+    Only what is the same in every process that runs the same code can identify a map, so:
+
+    - a function, builtin or class: its module and qualified name (``"elu+1"`` resolves to
+      :func:`linattn.elu_plus_one`, so the name and the function agree);
+    - a lambda or anything defined inside a function (``<locals>`` in its qualified name):
+      refused. Every lambda is ``<lambda>``, and a nested function may close over values
+      that differ between ranks, so its name says nothing about what it computes;
+    - ``functools.partial``: its function's identity plus its arguments, when those are
+      plain values (numbers, strings, bools, None, and tuples or lists of them, compared by
+      ``repr``); refused with any other argument (a tensor, a module), which could differ
+      unseen;
+    - a bound method: its function's identity plus that of the object it is bound to;
+    - an ``nn.Module``: its class plus its ``repr`` (the configuration its ``extra_repr``
+      prints, such as a cosFormer ``max_len`` or a Performer ``seed``); its parameters and
+      buffers are *not* compared;
+    - any other object whose class defines ``__call__`` in Python: its class only (its
+      attributes are not compared); a callable implemented in C (a NumPy ufunc, a
+      TorchScript function) is refused, since its class says nothing about what it computes.
+
+    Raises
+    ------
+    TypeError
+        For the refused kinds above, saying to use a module-level function or an ``nn.Module``.
+    """
     if phi is None:
         return "None (q and k are features)"
-    if isinstance(phi, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-        return f"{getattr(phi, '__module__', None) or '?'}.{phi.__qualname__}"
-    cls = type(phi)
-    return f"{cls.__module__}.{cls.__qualname__} instance"
+    return _callable_identity(phi)
+
+
+_FUNCTION_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
+                   types.WrapperDescriptorType, types.ClassMethodDescriptorType, type)
+_PLAIN_TYPES = (bool, numbers.Number, str, type(None))
+
+
+def _refuse(phi, why: str) -> TypeError:
+    return TypeError(
+        f"feature_map={phi!r} cannot be compared across processes: {why}. The ranks check that they "
+        "all use the same feature map, and only a name every process shares identifies one: use a "
+        "module-level function (def at the top level of a module or notebook), a functools.partial "
+        "of one with plain arguments, or an nn.Module instance"
+    )
+
+
+def _callable_identity(fn) -> str:
+    """The identity of one callable, by the rules of :func:`_feature_map_name`."""
+    if isinstance(fn, functools.partial):
+        args = [_plain_repr(fn, a) for a in fn.args]
+        args += [f"{key}={_plain_repr(fn, value)}" for key, value in sorted(fn.keywords.items())]
+        return f"functools.partial({', '.join([_callable_identity(fn.func), *args])})"
+    if isinstance(fn, types.MethodType):
+        return f"{_callable_identity(fn.__func__)} bound to {_object_identity(fn.__self__)}"
+    if isinstance(fn, types.BuiltinFunctionType) and not isinstance(fn.__self__, (types.ModuleType, type, type(None))):
+        raise _refuse(fn, f"it is bound to a {_checks.type_name(fn.__self__)}, whose value is not compared")
+    if isinstance(fn, _FUNCTION_TYPES):
+        return _qualified_name(fn)
+    if isinstance(fn, torch.nn.Module) or isinstance(getattr(type(fn), "__call__", None), types.FunctionType):
+        return _object_identity(fn)
+    raise _refuse(fn, f"it is a {_checks.type_name(fn)} implemented in C, whose type says nothing about "
+                      "what it computes")
+
+
+def _object_identity(obj) -> str:
+    """A module by class and configuration (``repr``), a class by name, anything else by its class."""
+    if isinstance(obj, type):
+        return _qualified_name(obj)
+    name = f"{_qualified_name(type(obj))} instance"
+    return f"{name}: {' '.join(repr(obj).split())}" if isinstance(obj, torch.nn.Module) else name
+
+
+def _qualified_name(fn) -> str:
+    """``module.qualname`` of a function or class; refused for lambdas and local definitions."""
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "?")
+    if "<lambda>" in qualname:
+        raise _refuse(fn, "every lambda has the same name, <lambda>")
+    if "<locals>" in qualname:
+        raise _refuse(fn, f"{qualname} is defined inside a function, so its name does not say what it "
+                          "computes (it may use values local to that call, which can differ between ranks)")
+    module = getattr(fn, "__module__", None) or getattr(getattr(fn, "__objclass__", None), "__module__", None)
+    return f"{module or '?'}.{qualname}"
+
+
+def _plain_repr(fn, value) -> str:
+    """``repr`` of a partial's argument that is a plain value (or a tuple or list of them)."""
+    items = value if isinstance(value, (tuple, list)) else [value]
+    for x in items:
+        if isinstance(x, (tuple, list)):
+            _plain_repr(fn, x)
+        elif not isinstance(x, _PLAIN_TYPES):
+            raise _refuse(fn, f"its argument of type {_checks.type_name(x)} is not a plain value (a number, "
+                              "str, bool, None, or a tuple of them), so the ranks cannot check it is the same")
+    return repr(value)
 
 
 def _name_hash(name: str) -> int:
@@ -267,14 +353,7 @@ def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[
     row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0] + [fields.get(n, 0) for n in _FIELDS[1:]]
     parts = _all_gather(torch.tensor(row, dtype=torch.int64, device=ranks.device()), ranks, "handshake")
     table = [part.tolist() for part in parts]
-    if error is not None:
-        raise error
-    failed = [r for r, values in enumerate(table) if values[0]]
-    if failed:
-        raise ValueError(
-            f"{caller}: rank(s) {failed} rejected their inputs (the error is raised on those ranks); "
-            "nothing was computed on this rank"
-        )
+    _raise_failures([values[0] for values in table], error, caller)
     columns = [_FIELDS.index(name) for name in shown]
     differ = [_FIELDS[i] for i in columns if len({values[i] for values in table}) > 1]
     if "causal" in differ and "state_exchange" in differ:
@@ -296,6 +375,25 @@ def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[
     return table
 
 
+def _raise_failures(flags: list[int], error: Optional[BaseException], caller: str) -> None:
+    """Re-raise this rank's own ``error``; else a ValueError naming the ranks whose flag is set."""
+    if error is not None:
+        raise error
+    failed = [r for r, flag in enumerate(flags) if flag]
+    if failed:
+        raise ValueError(
+            f"{caller}: rank(s) {failed} rejected their inputs (the error is raised on those ranks); "
+            "nothing was computed on this rank"
+        )
+
+
+def _confirm(ranks: _Ranks, error: Optional[BaseException], caller: str) -> None:
+    """A second, one-int64 round after the handshake, for checks that needed its table: every
+    rank learns whether any rank failed, and all raise (as in :func:`_handshake`) or none does."""
+    flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=ranks.device())
+    _raise_failures([int(part) for part in _all_gather(flag, ranks, "handshake")], error, caller)
+
+
 def _decode(name: str, value: int, feature_map_name: str = ""):
     if name == "dtype":
         return _DTYPES[value]
@@ -308,6 +406,14 @@ def _decode(name: str, value: int, feature_map_name: str = ""):
     if name == "feature_map":
         return feature_map_name
     return value
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """``dtype``'s column value in the handshake; TypeError for a dtype linattn does not compute in."""
+    if dtype not in _DTYPES:
+        raise TypeError(f"q, k and v must be one of {', '.join(map(str, _DTYPES))} for sequence parallelism, "
+                        f"got {dtype}")
+    return _DTYPES.index(dtype)
 
 
 def _check_state_exchange(state_exchange) -> str:
@@ -326,9 +432,66 @@ def _check_state_exchange(state_exchange) -> str:
 # ---------------------------------------------------------------------------------------
 
 
+def _no_autocast(x) -> contextlib.AbstractContextManager:
+    """Autocast off on ``x``'s device: linattn picks its own dtypes (float32 accumulation, float64
+    kept), which an autocast region would override with low-precision matmuls (and then ``S``
+    and ``z``, or a score block and its running sums, would not even share a dtype)."""
+    device_type = x.device.type if isinstance(x, Tensor) else "cpu"
+    available = getattr(torch.amp, "is_autocast_available", None)     # torch >= 2.4
+    if not (available(device_type) if available else device_type in ("cpu", "cuda")):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def _position_dependent(phi: Optional[FeatureMap]) -> bool:
+    """True for a map whose features depend on the position (``position_dependent = True``,
+    e.g. :class:`linattn.feature_maps.CosFormerFeatures`): it takes ``offset=``."""
+    return bool(getattr(phi, "position_dependent", False))
+
+
+def _length_free_error(phi: FeatureMap, what: str) -> ValueError:
+    """Why a position-dependent map without ``max_len`` cannot be used on a slice."""
+    return ValueError(
+        f"{what}: feature_map {phi!r} depends on the position and has max_len=None, so it would divide "
+        "the positions by L = offset + T, the length of the slice it is given, instead of one length "
+        "shared by the whole sequence; give the map max_len, e.g. CosFormerFeatures(max_len=N) with N at "
+        "least the whole sequence's length (N equal to it gives the numbers of max_len=None in one "
+        "process, non-causal)"
+    )
+
+
+def _features(phi: Optional[FeatureMap], x: Tensor, offset: int, name: str) -> Tensor:
+    """``φ(x)`` in the accumulation dtype; a position-dependent map is told that ``x`` starts at ``offset``."""
+    x_acc = x.to(_checks.accumulation_dtype(x.dtype))
+    if phi is None:
+        return x_acc
+    phi_x = phi(x_acc, offset=offset) if _position_dependent(phi) else phi(x_acc)
+    _checks.check_features(phi_x, x_acc, name)
+    return phi_x.to(x_acc.dtype)
+
+
+def _check_offset(offset) -> int:
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset must be an int (the position of the slice's first token), got "
+                        f"{_checks.type_name(offset)}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0 (the position of the slice's first token), got {offset}")
+    return int(offset)
+
+
+def _slice_state(phi_k: Tensor, v: Tensor, attention_mask: Optional[Tensor]) -> LinearAttentionState:
+    """``S = φ(K)ᵀV`` and ``z = Σ_j φ(k_j)`` of features ``(B, H, T, M)``; padded keys masked out."""
+    v = v.to(phi_k.dtype)
+    if attention_mask is not None:
+        keep = attention_mask[:, None, :, None]
+        phi_k, v = torch.where(keep, phi_k, 0.0), torch.where(keep, v, 0.0)
+    return LinearAttentionState(phi_k.transpose(-1, -2) @ v,       # (B, H, M, Dv)
+                                phi_k.sum(dim=-2))                 # (B, H, M)
+
+
 @_checks.reject_key_padding_mask
 def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, None] = "elu+1",
-                attention_mask: Optional[Tensor] = None) -> LinearAttentionState:
+                attention_mask: Optional[Tensor] = None, offset: int = 0) -> LinearAttentionState:
     """The state contributed by one slice of keys and values: ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)``.
 
     Katharopoulos et al. (2020), eq. 18, summed over the slice instead of a prefix. The
@@ -347,20 +510,31 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
         ``(B, T)`` bool, or integer holding 0/1: True (1) for real tokens, False (0) for
         padding, as Hugging Face's ``attention_mask`` (PyTorch's ``key_padding_mask`` means the
         opposite and is refused by name). Padded keys contribute nothing.
+    offset : int
+        Position of the slice's first key in the whole sequence (``Σ`` of the earlier slices'
+        lengths), passed to a position-dependent feature map (one with ``position_dependent =
+        True``, such as :class:`linattn.feature_maps.CosFormerFeatures`) as ``φ(k, offset=offset)``,
+        so that the slices' states add up to the whole sequence's. Other maps do not depend on
+        the position and ignore it. Default 0.
 
     Returns
     -------
     LinearAttentionState
         ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)`` in float32 (float64 for float64
-        inputs), differentiable with respect to ``k``, ``v`` and φ's parameters.
+        inputs), contiguous, differentiable with respect to ``k``, ``v`` and φ's parameters.
+        Inside a ``torch.autocast`` region the same numbers: autocast is turned off here (φ
+        included), since it would round the sums to bfloat16/float16.
 
     Raises
     ------
     TypeError
-        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a bad feature map.
+        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask; a bad feature map;
+        a non-int ``offset``.
     ValueError
         Wrong ranks, ``k`` and ``v`` that disagree on batch, heads or length, a mask of the
-        wrong shape.
+        wrong shape; a negative ``offset``; ``offset > 0`` with a position-dependent map whose
+        ``max_len`` is None (its features would use the length ``offset + T``, right only for
+        the slice that ends the sequence); what the map raises (cosFormer: ``offset + T > max_len``).
     """
     layout = "(batch, heads, seq, dim)"
     _checks.check_tensor(k, "k", 4, layout)
@@ -372,17 +546,12 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
             f"and v {_checks.shape_str(v.shape)}"
         )
     attention_mask = _checks.check_attention_mask(attention_mask, k)
-    acc = _checks.accumulation_dtype(k.dtype)
+    offset = _check_offset(offset)
     phi = resolve_feature_map(feature_map)
-    k_acc, v_acc = k.to(acc), v.to(acc)
-    phi_k = k_acc if phi is None else phi(k_acc)                       # (B, H, T, M)
-    _checks.check_features(phi_k, k_acc, "k")
-    phi_k = phi_k.to(acc)
-    if attention_mask is not None:
-        keep = attention_mask[:, None, :, None]
-        phi_k, v_acc = torch.where(keep, phi_k, 0.0), torch.where(keep, v_acc, 0.0)
-    return LinearAttentionState(phi_k.transpose(-1, -2) @ v_acc,       # (B, H, M, Dv)
-                                phi_k.sum(dim=-2))                     # (B, H, M)
+    if offset > 0 and _position_dependent(phi) and getattr(phi, "max_len", None) is None:
+        raise _length_free_error(phi, f"local_state with offset={offset}")
+    with _no_autocast(k):
+        return _slice_state(_features(phi, k, offset, "k"), v, attention_mask)
 
 
 def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
@@ -480,12 +649,21 @@ def sequence_parallel_linear_attention(
     15 int64 each and compare: batch, heads, ``D``, ``Dv``, ``M``, dtype, ``causal``,
     ``normalize``, ``eps`` (exactly, as float64 bits), the feature map and, when causal,
     ``state_exchange``. If any of them differs, every rank raises the same ValueError.
-    The feature map is compared by identity, not by value: a function by its qualified name
-    (a name such as ``"elu+1"`` counts as the function it names, so ``"elu+1"`` on one rank
-    and :func:`linattn.elu_plus_one` on another agree), any other callable by its class. A
-    feature map's parameters (a Performer projection, Hedgehog weights) are *not*
-    compared: they must be equal on every rank (same seed, or broadcast them). Free to
-    differ between ranks: the sequence lengths, ``attention_mask`` and ``return_state``
+    The feature map is compared by identity, not by value: a function by its module and
+    qualified name (a name such as ``"elu+1"`` counts as the function it names, so
+    ``"elu+1"`` on one rank and :func:`linattn.elu_plus_one` on another agree); a
+    ``functools.partial`` by its function and its arguments, which must be plain values
+    (numbers, strings, bools, None, tuples of them); an ``nn.Module`` by its class and its
+    ``repr`` (so ``CosFormerFeatures(max_len=64)`` and ``CosFormerFeatures(max_len=128)``
+    disagree); another callable object by its class (its attributes are not compared). What
+    has no name that identifies it is refused with a TypeError: a lambda (every lambda is
+    ``<lambda>``), a function or class defined inside a function (it may close over values
+    that differ between ranks), a partial with a tensor or other non-plain argument, a
+    callable implemented in C (a NumPy ufunc). A feature map's parameters and buffers (a
+    Performer projection, Hedgehog weights) are *not* compared: they must be equal on every
+    rank (same seed, or broadcast them). Free to
+    differ between ranks: the sequence lengths (the table gives every rank all of them, hence
+    its position offset for a position-dependent map), ``attention_mask`` and ``return_state``
     (local to each rank), ``method`` and ``chunk_size`` (they only choose how a rank
     computes its own slice; the results agree up to rounding), and ``state_exchange`` when
     ``causal=False``.
@@ -503,7 +681,17 @@ def sequence_parallel_linear_attention(
     feature_map, causal, normalize, eps, method, chunk_size, attention_mask
         As in :func:`linattn.linear_attention`, applied to this rank's slice (``method``
         and ``chunk_size`` choose the local algorithm; the mask is ``(B, Tk)`` for the slice).
-        There is no ``initial_state``: rank 0 starts from zero.
+        There is no ``initial_state``: rank 0 starts from zero. A position-dependent feature
+        map (``position_dependent = True``, such as
+        :class:`linattn.feature_maps.CosFormerFeatures`) is told where the slice starts: rank
+        ``r`` computes ``φ(q, offset=Σ_{s<r} Tq_s)`` and ``φ(k, offset=Σ_{s<r} Tk_s)`` (the
+        lengths come from the handshake) and uses those features for its state and its local
+        pass. Such a map must have a ``max_len`` (at least the whole sequence's length): with
+        ``max_len=None`` cosFormer divides positions by the length of its input, which on a
+        slice is not the whole sequence's. (Non-causal attention could in principle give it the
+        whole length, but the map's interface takes only ``offset``, and
+        ``max_len`` = the whole length gives exactly the numbers of ``max_len=None`` in one
+        process, so that is what to pass.)
     state_exchange : str
         Causal only: ``"allgather"`` (each rank gathers every rank's state and sums those to
         its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
@@ -519,65 +707,118 @@ def sequence_parallel_linear_attention(
     Returns
     -------
     out : Tensor
-        ``(B, H, Tq, Dv)`` in the dtype of ``q``.
+        ``(B, H, Tq, Dv)`` in the dtype of ``q``. Inside a ``torch.autocast`` region the same
+        numbers as outside: autocast is turned off for the whole call (the feature map
+        included), which computes in float32 (float64 for float64 inputs) as everywhere.
     state : LinearAttentionState
-        Only if ``return_state``: float32 (float64 for float64 inputs). States are also
-        exchanged in this dtype, so half inputs send float32 states.
+        Only if ``return_state``: float32 (float64 for float64 inputs), ``S`` and ``z``
+        contiguous, each in memory of its own (not views of one buffer, nor of an input),
+        whatever ``method`` computed them. States are also exchanged in this dtype, so half
+        inputs send float32 states.
 
     Raises
     ------
     RuntimeError
         If torch.distributed is not initialised.
     TypeError
-        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup.
+        As :func:`linattn.linear_attention`; a ``group`` that is not a ProcessGroup; a dtype
+        other than float16, bfloat16, float32 and float64 (e.g. a float8 type); a
+        feature map that cannot be compared across ranks (see above; raised on the ranks
+        that pass one, and the others raise a ValueError naming them, so no rank hangs).
     ValueError
         As :func:`linattn.linear_attention`; an unknown ``state_exchange``; ranks that
         disagree on any of the values listed above under "What the ranks must agree on"
         (raised on every rank, after one small all-gather, so no rank hangs; the message
-        shows every rank's values); on the other ranks, when one rank's inputs are invalid.
+        shows every rank's values); on the other ranks, when one rank's inputs are invalid;
+        a position-dependent feature map with ``max_len=None``, or one whose positions run
+        past ``max_len`` on some rank (raised there; the other ranks name it).
 
     Notes
     -----
     Communication per call and rank: one all-gather of ``P`` rows of 15 int64 (the check
-    above; a second small all-gather of names only when the feature maps differ), then the
+    above; a second small all-gather of names only when the feature maps differ; for a
+    position-dependent map, one more all-gather of one int64 per rank after its features at
+    the rank's offset are computed, so that a failure there reaches every rank), then the
     state, ``B·H·M·(Dv + 1)`` numbers, independent of the sequence length; the backward
     sends as much again.
     """
     caller = "sequence_parallel_linear_attention"
     ranks = _ranks(group, caller)
-    fields, error = None, None
-    try:
-        _checks.check_qkv(q, k, v, causal=causal)
-        causal = _checks.check_bool(causal, "causal")
-        normalize = _checks.check_bool(normalize, "normalize")
-        return_state = _checks.check_bool(return_state, "return_state")
-        _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
-        _checks.check_chunk_size(chunk_size)
-        _resolve_method(method, causal)
-        state_exchange = _check_state_exchange(state_exchange)
-        phi = resolve_feature_map(feature_map)
-        feature_map_name = _feature_map_name(phi)
-        local = local_state(k, v, feature_map=phi, attention_mask=attention_mask)
-        B, H, Tq, D = q.shape
-        M, Dv = local.S.shape[-2:]
-        fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
-                  "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
-                  "feature_map": _name_hash(feature_map_name),
-                  "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
-                  "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
-    except Exception as err:  # reported to the other ranks by the handshake, raised here after it
-        error, feature_map_name = err, ""
-    _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
+    with _no_autocast(q):         # linattn's own dtypes, also inside an autocast region
+        fields, error, feature_map_name, positional = None, None, "", False
+        try:
+            _checks.check_qkv(q, k, v, causal=causal)
+            dtype_code = _dtype_code(q.dtype)
+            causal = _checks.check_bool(causal, "causal")
+            normalize = _checks.check_bool(normalize, "normalize")
+            return_state = _checks.check_bool(return_state, "return_state")
+            _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
+            _checks.check_chunk_size(chunk_size)
+            _resolve_method(method, causal)
+            state_exchange = _check_state_exchange(state_exchange)
+            attention_mask = _checks.check_attention_mask(attention_mask, k)
+            phi = resolve_feature_map(feature_map)
+            feature_map_name = _feature_map_name(phi)
+            positional = _position_dependent(phi)
+            if positional and getattr(phi, "max_len", None) is None:
+                raise _length_free_error(phi, caller)
+            # A position-dependent map needs this rank's offset, known after the handshake: until
+            # then, one token tells M (and checks the map's output).
+            probe = slice(0, 1) if positional else slice(None)
+            phi_q, phi_k = _features(phi, q[:, :, probe], 0, "q"), _features(phi, k[:, :, probe], 0, "k")
+            _check_same_features(phi_q, phi_k)
+            B, H, Tq, D = q.shape
+            M, Dv = phi_k.shape[-1], v.shape[-1]
+            fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": Dv, "features M": M,
+                      "causal": int(causal), "normalize": int(normalize), "eps": _float_bits(eps),
+                      "feature_map": _name_hash(feature_map_name),
+                      "state_exchange": STATE_EXCHANGES.index(state_exchange) if causal else _UNUSED,
+                      "dtype": dtype_code, "seq_q": Tq, "seq_k": k.shape[2]}
+        except Exception as err:  # reported to the other ranks by the handshake, raised here after it
+            error = err
+        table = _handshake(ranks, fields, error, caller, _LINEAR_FIELDS, feature_map_name)
+        if positional:            # rank r's slice starts at Σ_{s<r} T_s, of queries and of keys
+            q_offset = sum(row[_FIELDS.index("seq_q")] for row in table[:ranks.rank])
+            k_offset = sum(row[_FIELDS.index("seq_k")] for row in table[:ranks.rank])
+            try:
+                phi_q, phi_k = _features(phi, q, q_offset, "q"), _features(phi, k, k_offset, "k")
+                _check_same_features(phi_q, phi_k, M)
+            except Exception as err:  # e.g. offset + T > max_len on the last ranks: all ranks raise
+                error = err
+            _confirm(ranks, error, caller)
 
-    local_aug = local.augmented()                                              # (B, H, M, Dv + 1)
-    if causal:
-        incoming = _PrefixOverRanks.apply(local_aug, ranks, state_exchange)    # Σ_{s<r} L_s
-    else:
-        incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
-    return linear_attention(
-        q, k, v, feature_map=phi, causal=causal, normalize=normalize, eps=eps, method=method,
-        chunk_size=chunk_size, attention_mask=attention_mask,
-        initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
+        v_acc = v.to(phi_k.dtype)
+        local_aug = _slice_state(phi_k, v_acc, attention_mask).augmented()         # (B, H, M, Dv + 1)
+        if causal:
+            incoming = _PrefixOverRanks.apply(local_aug, ranks, state_exchange)    # Σ_{s<r} L_s
+        else:
+            incoming = _SumOverRanks.apply(local_aug, ranks) - local_aug           # Σ_{s≠r} L_s
+        result = linear_attention(
+            phi_q, phi_k, v_acc, feature_map=None, causal=causal, normalize=normalize, eps=eps, method=method,
+            chunk_size=chunk_size, attention_mask=attention_mask,
+            initial_state=LinearAttentionState.from_augmented(incoming), return_state=return_state)
+        if not return_state:
+            return result.to(q.dtype)
+        out, state = result
+        return out.to(q.dtype), LinearAttentionState(_owned(state.S), _owned(state.z))
+
+
+def _owned(x: Tensor) -> Tensor:
+    """``x`` if it is contiguous and fills its own storage, else a contiguous copy (still differentiable):
+    a returned state must not be a view into a bigger buffer (``S`` and ``z`` sliced from one
+    ``(B, H, M, Dv + 1)`` tensor), which would keep that alive and change if it changed."""
+    whole = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    return x if x.is_contiguous() and whole else x.clone(memory_format=torch.contiguous_format)
+
+
+def _check_same_features(phi_q: Tensor, phi_k: Tensor, M: Optional[int] = None) -> None:
+    """φ gave queries and keys the same number of features (and ``M``, when given)."""
+    if phi_q.shape[-1] != phi_k.shape[-1] or (M is not None and phi_k.shape[-1] != M):
+        raise ValueError(
+            "feature_map must give q and k the same number of features M at every position, got "
+            f"φ(q) {_checks.shape_str(phi_q.shape)} and φ(k) {_checks.shape_str(phi_k.shape)}"
+            + ("" if M is None else f" (and M = {M} at position 0)")
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -610,6 +851,29 @@ def _circulate(block: Tensor, ranks: _Ranks, sizes: list[int]) -> Iterator[tuple
         block = incoming
 
 
+def _visible_weighted_sum(p: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """``Σ_j p_ij v_j`` over the visible pairs ``(i, j)`` only: ``(B, H, Tq, Tk) × (B, H, Tk, Dv) -> (B, H, Tq, Dv)``.
+
+    ``p @ v`` alone is wrong in one case: a masked weight is 0, and ``0 · NaN`` and ``0 · inf``
+    are NaN, so a NaN or inf value at a later position would reach every earlier query.
+    Tokens whose values are all finite go through the matmul; the others (rare, and only
+    when present: one ``isfinite`` check otherwise) are added where ``visible`` (``(Tq, Tk)``
+    bool) allows, a few tokens at a time so the temporary stays within the size of ``p``.
+    """
+    finite = torch.isfinite(v).all(dim=-1)                                # (B, H, Tk)
+    if bool(finite.all()):
+        return p @ v
+    out = p @ torch.where(finite[..., None], v, 0.0)                      # the finite tokens
+    bad = (~finite).any(dim=1).any(dim=0).nonzero().flatten()            # tokens non-finite somewhere
+    step = max(1, v.shape[-2] // v.shape[-1])
+    for start in range(0, len(bad), step):
+        j = bad[start:start + step]
+        pick = visible[:, j] & ~finite[:, :, None, j]                    # (B, H, Tq, n)
+        terms = torch.where(pick[..., None], p[..., j, None] * v[:, :, None, j], 0.0)   # (B, H, Tq, n, Dv)
+        out = out + terms.sum(dim=-2)
+    return out
+
+
 def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool = False,
                            scale: Optional[float] = None) -> Tensor:
     """Softmax attention over a sequence split across ranks, by passing key/value blocks around a ring.
@@ -619,8 +883,10 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     (Milakov & Gimelshein, 2018): a running row maximum ``m``, normaliser ``l`` and
     unnormalised output ``o``, rescaled by ``exp(m_old - m_new)`` as blocks arrive. When
     causal, blocks of later ranks are skipped (but still passed on) and a rank's own block
-    is masked with ``tril``. Each rank sends ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)``
-    numbers for equal slices, linear in ``T``.
+    is masked with ``tril``; a NaN or inf in a later key or value reaches no earlier query
+    (the query at its position and later ones see it, as in one process), since masked pairs
+    are left out of the weighted sum rather than multiplied by a zero weight. Each rank sends
+    ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)`` numbers for equal slices, linear in ``T``.
 
     This is the baseline for chapter 11: forward only (no backward pass), and each step
     forms the full ``(B, H, Tq, T_block)`` score block.
@@ -643,8 +909,9 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     Returns
     -------
     Tensor
-        ``(B, H, Tq, Dv)`` in the dtype of ``q`` (float32 arithmetic for half inputs),
-        equal to :func:`linattn.softmax_attention` on the concatenated sequence, sliced.
+        ``(B, H, Tq, Dv)`` in the dtype of ``q`` (float32 arithmetic for half inputs, also
+        inside a ``torch.autocast`` region, which is turned off here), equal to
+        :func:`linattn.softmax_attention` on the concatenated sequence, sliced.
         It does not require grad.
 
     Raises
@@ -653,7 +920,8 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
         If torch.distributed is not initialised; if an input requires grad while grad mode
         is on (there is no backward pass; wrap the call in ``torch.no_grad()``).
     TypeError, ValueError
-        As :func:`linattn.softmax_attention`; ranks that disagree on batch, heads, dims,
+        As :func:`linattn.softmax_attention`; (TypeError) a dtype other than float16,
+        bfloat16, float32 and float64; ranks that disagree on batch, heads, dims,
         dtype, ``causal`` or ``scale`` (compared exactly, as float64 bits, after the default
         ``1/sqrt(D)`` is filled in); raised on every rank. Only the sequence lengths may differ.
     """
@@ -662,6 +930,7 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     fields, error = None, None
     try:
         _checks.check_qkv(q, k, v, causal=causal)
+        dtype_code = _dtype_code(q.dtype)
         causal = _checks.check_bool(causal, "causal")
         acc = _checks.accumulation_dtype(q.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _checks.check_positive_float(scale, "scale", acc)
@@ -669,12 +938,19 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
             raise RuntimeError(f"{caller} has no backward pass: call it under torch.no_grad()")
         B, H, Tq, D = q.shape
         fields = {"batch": B, "heads": H, "head_dim": D, "value_dim": v.shape[-1], "causal": int(causal),
-                  "scale": _float_bits(scale), "dtype": _DTYPES.index(q.dtype), "seq_q": Tq, "seq_k": k.shape[2]}
+                  "scale": _float_bits(scale), "dtype": dtype_code, "seq_q": Tq, "seq_k": k.shape[2]}
     except Exception as err:
         error = err
     table = _handshake(ranks, fields, error, caller, _SOFTMAX_FIELDS)
     sizes = [row[_FIELDS.index("seq_k")] for row in table]
+    with _no_autocast(q):
+        return _ring_pass(q, k, v, ranks, sizes, causal, scale, acc)
 
+
+def _ring_pass(q: Tensor, k: Tensor, v: Tensor, ranks: _Ranks, sizes: list[int], causal: bool, scale: float,
+               acc: torch.dtype) -> Tensor:
+    """The online-softmax loop of :func:`ring_softmax_attention`, after the handshake."""
+    D = q.shape[-1]
     q_acc = q.to(acc) * scale                                     # (B, H, Tq, D)
     m = q_acc.new_full((*q.shape[:3], 1), -math.inf)              # running row maximum
     l = q_acc.new_zeros((*q.shape[:3], 1))                        # running normaliser
@@ -685,13 +961,15 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
             continue                                              # later tokens: invisible
         k_b, v_b = block[..., :D].to(acc), block[..., D:].to(acc)
         scores = q_acc @ k_b.transpose(-1, -2)                    # (B, H, Tq, T_src)
-        if causal and src == ranks.rank:
-            scores = scores.masked_fill(~torch.ones_like(scores, dtype=torch.bool).tril(), -math.inf)
+        diagonal = causal and src == ranks.rank
+        if diagonal:
+            visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()  # (Tq, Tk)
+            scores = scores.masked_fill(~visible, -math.inf)
         m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
         p = torch.exp(scores - m_new)
         rescale = torch.exp(m - m_new)
         l = l * rescale + p.sum(dim=-1, keepdim=True)
-        o = o * rescale + p @ v_b
+        o = o * rescale + (_visible_weighted_sum(p, v_b, visible) if diagonal else p @ v_b)
         m = m_new
     return (o / l).to(q.dtype)
 

@@ -7,6 +7,7 @@ local outputs and gradients; the tests compare them here with single-process flo
 """
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -17,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import linattn
 from linattn.distributed import (RankError, count_bytes, local_state, measure_sequence_parallel, ring_softmax_attention,
@@ -25,6 +27,38 @@ from linattn.distributed import (RankError, count_bytes, local_state, measure_se
 B, H, D, DV = 2, 3, 4, 5
 M = D  # elu+1 keeps the dimension
 TOL = 1e-12  # float64 throughout, relative to the largest reference value
+
+
+def _scaled_elu(x, scale=1.0):
+    """A module-level feature map with a parameter, for functools.partial."""
+    return (F.elu(x) + 1) * scale
+
+
+def _child_feature_map(spec):
+    """Feature maps that cannot be pickled to the ranks, built there from a name (else ``spec`` itself)."""
+    if spec == "<lambda: elu+1>":
+        return lambda x: F.elu(x) + 1
+    if spec == "<lambda: relu>":
+        return lambda x: F.relu(x)
+    if spec == "<nested: elu+1>":
+        def elu_plus_one(x):
+            return F.elu(x) + 1
+        return elu_plus_one
+    return spec
+
+
+def _cosformer(max_len):
+    return linattn.feature_maps.CosFormerFeatures(max_len=max_len)
+
+
+def _feature_map(case: dict, key: str = "feature_map"):
+    """The case's feature map: ``("cosformer", max_len)`` or the default elu+1."""
+    spec = case.get(key, case.get("feature_map"))
+    return "elu+1" if spec is None else _cosformer(spec[1])
+
+
+_PARTIAL = f"functools.partial({__name__}._scaled_elu, scale="
+_REFUSED = "cannot be compared across processes: "
 
 # name -> options. lengths: tokens per rank (queries and keys unless q_lengths is given).
 _LINEAR = {
@@ -47,7 +81,9 @@ def _cases(lengths: list[int]) -> dict[str, dict]:
 
 CASES = {
     1: {**_cases([7]), "mask": dict(kind="linear", lengths=[7], causal=True, normalize=True, exchange="ring",
-                                     mask=True)},
+                                     mask=True),
+        "softmax-nonfinite": dict(kind="softmax", lengths=[9], causal=True, nonfinite={"v": [(6, "nan")],
+                                                                                    "k": [(8, "nan")]})},
     2: {
         **_cases([5, 7]),
         "mismatch-heads": dict(kind="mismatch", lengths=[4, 4], field="heads"),
@@ -63,11 +99,35 @@ CASES = {
                                 exchange="allgather"),
         "mismatch-causal": dict(kind="mismatch", lengths=[4, 4], field="causal"),
         "softmax-one-token": dict(kind="softmax", lengths=[1, 9], causal=True),
+        # a NaN or inf at a later position of the same rank must not reach earlier queries
+        "softmax-nonfinite-first-rank": dict(kind="softmax", lengths=[5, 7], causal=True,
+                                             nonfinite={"v": [(3, "nan")]}),
+        "softmax-nonfinite-last-rank": dict(kind="softmax", lengths=[5, 7], causal=True,
+                                            nonfinite={"v": [(9, "inf"), (11, "-inf")], "k": [(10, "nan")]}),
         "softmax-mismatch-dv": dict(kind="mismatch", lengths=[4, 4], field="value_dim", softmax=True),
+        "autocast": dict(kind="autocast", lengths=[5, 7]),
         "return-state-causal": dict(kind="state", lengths=[5, 7], causal=True),
         "return-state-noncausal": dict(kind="state", lengths=[5, 7], causal=False),
+        **{f"return-state-{method}-{'causal' if causal else 'noncausal'}": dict(
+            kind="state", lengths=[5, 7], causal=causal, method=method)
+           for causal, method in ((True, "chunk"), (True, "recurrent"), (True, "quadratic"),
+                                  (False, "parallel"), (False, "quadratic"))},
         "bfloat16": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
                          dtype="bfloat16"),
+        # position-dependent features: each rank's slice starts at Σ of the earlier slices' lengths
+        "cosformer-causal": dict(kind="linear", lengths=[5, 7], causal=True, normalize=True, exchange="allgather",
+                                 feature_map=("cosformer", 16)),
+        "cosformer-causal-unnorm-ring": dict(kind="linear", lengths=[2, 9], causal=True, normalize=False,
+                                             exchange="ring", feature_map=("cosformer", 11)),
+        "cosformer-noncausal": dict(kind="linear", lengths=[5, 7], causal=False, normalize=True,
+                                    exchange="allgather", feature_map=("cosformer", 30)),
+        "cosformer-noncausal-whole-length": dict(  # max_len = T gives one process's max_len=None
+            kind="linear", lengths=[5, 7], causal=False, normalize=True, exchange="allgather",
+            feature_map=("cosformer", 12), reference_feature_map=("cosformer", None)),
+        "cosformer-cross-attention": dict(kind="linear", lengths=[5, 7], q_lengths=[4, 2], causal=False,
+                                          normalize=True, exchange="allgather", feature_map=("cosformer", 12)),
+        "cosformer-mask": dict(kind="linear", lengths=[6, 5], causal=True, normalize=True, exchange="ring",
+                               mask=True, feature_map=("cosformer", 11)),
         **{f"options-{name}": dict(kind="options", lengths=[5, 7], **opts) for name, opts in {
             # agree, or may differ: computed, and equal to the single-process reference
             "exchange-unused-when-noncausal": dict(per_rank=[dict(causal=False, state_exchange="ring"),
@@ -96,7 +156,47 @@ CASES = {
             "softmax-scale-differs": dict(
                 softmax=True, per_rank=[dict(causal=True, scale=0.5), dict(causal=True, scale=0.25)],
                 expect=("ValueError", ["disagree on scale (", "scale=0.5", "scale=0.25"])),
+            "feature-map-equal-partials": dict(
+                per_rank=[dict(causal=True, feature_map=functools.partial(_scaled_elu, scale=2.0))] * 2),
+            "feature-map-partials-differ": dict(
+                per_rank=[dict(causal=True, feature_map=functools.partial(_scaled_elu, scale=1.0)),
+                          dict(causal=True, feature_map=functools.partial(_scaled_elu, scale=2.0))],
+                expect=("ValueError", ["disagree on feature_map (", f"feature_map={_PARTIAL}1.0)",
+                                       f"feature_map={_PARTIAL}2.0)"])),
+            "feature-map-two-lambdas": dict(
+                per_rank=[dict(causal=True, feature_map="<lambda: elu+1>"),
+                          dict(causal=True, feature_map="<lambda: relu>")],
+                expect=("TypeError", [_REFUSED + "every lambda has the same name", "use a module-level function"])),
+            "feature-map-lambda-on-one-rank": dict(
+                per_rank=[dict(causal=False, feature_map="elu+1"), dict(causal=False, feature_map="<lambda: elu+1>")],
+                expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
+                        ("TypeError", [_REFUSED + "every lambda has the same name"])]),
+            "feature-map-nested-function": dict(
+                per_rank=[dict(causal=True, feature_map="<nested: elu+1>")] * 2,
+                expect=("TypeError", [_REFUSED, "elu_plus_one is defined inside a function"])),
+            "cosformer-max-len-differs": dict(
+                per_rank=[dict(causal=True, feature_map=_cosformer(16)), dict(causal=True, feature_map=_cosformer(32))],
+                expect=("ValueError", ["disagree on feature_map (", "CosFormerFeatures(max_len=16)",
+                                       "CosFormerFeatures(max_len=32)"])),
+            "cosformer-max-len-none": dict(
+                per_rank=[dict(causal=False, feature_map=_cosformer(None))] * 2,
+                expect=("ValueError", ["sequence_parallel_linear_attention: feature_map CosFormerFeatures(",
+                                       "depends on the position and has max_len=None", "give the map max_len"])),
+            "cosformer-max-len-none-on-one-rank": dict(
+                per_rank=[dict(causal=True, feature_map=_cosformer(12)),
+                          dict(causal=True, feature_map=_cosformer(None))],
+                expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
+                        ("ValueError", ["has max_len=None"])]),
+            "cosformer-past-max-len-on-the-last-rank": dict(   # rank 1 holds positions 5..11
+                per_rank=[dict(causal=True, feature_map=_cosformer(10))] * 2,
+                expect=[("ValueError", ["rank(s) [1] rejected their inputs"]),
+                        ("ValueError", ["5 + 7 exceed max_len"])]),       # cosFormer's own error
             # invalid on every rank: each raises its own error
+            **{f"dtype-float8{'-softmax' if softmax else ''}": dict(
+                softmax=softmax, dtype="float8_e4m3fn", per_rank=[dict(causal=True)] * 2,
+                expect=("TypeError", ["q, k and v must be one of torch.float16, torch.bfloat16, torch.float32, "
+                                      "torch.float64 for sequence parallelism, got torch.float8_e4m3fn"]))
+               for softmax in (False, True)},
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
                 expect=("TypeError", ["state_exchange must be a str, one of ('allgather', 'ring'), got int"])),
@@ -109,7 +209,18 @@ CASES = {
     4: {
         **_cases([3, 1, 6, 4]),
         "mismatch-value-dim": dict(kind="mismatch", lengths=[3, 3, 3, 3], field="value_dim"),
+        "softmax-nonfinite": dict(kind="softmax", lengths=[3, 1, 6, 4], causal=True,
+                                  nonfinite={"v": [(2, "inf"), (8, "nan")], "k": [(13, "nan")]}),
         "after-mismatch": dict(kind="linear", lengths=[2, 5, 1, 3], causal=True, normalize=True, exchange="ring"),
+        "cosformer-causal": dict(kind="linear", lengths=[3, 1, 6, 4], causal=True, normalize=True,
+                                 exchange="ring", feature_map=("cosformer", 20)),
+        "cosformer-causal-allgather": dict(kind="linear", lengths=[3, 1, 6, 4], causal=True, normalize=True,
+                                           exchange="allgather", feature_map=("cosformer", 14)),
+        "cosformer-noncausal": dict(kind="linear", lengths=[3, 1, 6, 4], causal=False, normalize=True,
+                                    exchange="allgather", feature_map=("cosformer", 14)),
+        "cosformer-cross-attention": dict(kind="linear", lengths=[3, 1, 6, 4], q_lengths=[1, 5, 2, 2],
+                                          causal=False, normalize=True, exchange="ring",
+                                          feature_map=("cosformer", 20)),
     },
 }
 
@@ -126,6 +237,9 @@ def _inputs(name: str, case: dict):
     v = torch.randn(B, H, Tk, DV, generator=g, dtype=torch.float64)
     w = torch.randn(B, H, Tq, DV, generator=g, dtype=torch.float64)   # loss = Σ w ⊙ out
     mask = torch.rand(B, Tk, generator=g) > 0.3 if case.get("mask") else None
+    for name, x in (("k", k), ("v", v)):
+        for t, value in case.get("nonfinite", {}).get(name, []):
+            x[1, 0, t, 1] = float(value)                               # one entry of one batch and head
     return q, k, v, w, mask
 
 
@@ -148,7 +262,7 @@ def _run_linear(name: str, case: dict, rank: int) -> dict:
     with count_bytes() as counter:
         out = sequence_parallel_linear_attention(
             q, k, v, causal=case["causal"], normalize=case["normalize"], state_exchange=case["exchange"],
-            attention_mask=mask, chunk_size=4)
+            attention_mask=mask, chunk_size=4, feature_map=_feature_map(case))
         (out.double() * w).sum().backward()
     return dict(out=out.detach(), grads=[x.grad for x in (q, k, v)], bytes=counter.by_op())
 
@@ -186,14 +300,61 @@ def _run_invalid(case: dict, rank: int) -> tuple[str, str]:
 def _run_options(name: str, case: dict, rank: int):
     """One call with this rank's own options: ("ok", out) or (exception type name, message)."""
     q, k, v, _, _ = _local(name, case, rank)
+    q, k, v = (x.to(getattr(torch, case.get("dtype", "float64"))) for x in (q, k, v))
+    opts = dict(case["per_rank"][rank])
+    if "feature_map" in opts:
+        opts["feature_map"] = _child_feature_map(opts["feature_map"])
     try:
         if case.get("softmax"):
-            out = ring_softmax_attention(q, k, v, **case["per_rank"][rank])
+            out = ring_softmax_attention(q, k, v, **opts)
         else:
-            out = sequence_parallel_linear_attention(q, k, v, **case["per_rank"][rank])
+            out = sequence_parallel_linear_attention(q, k, v, **opts)
     except (TypeError, ValueError) as err:
         return (type(err).__name__, str(err))
     return ("ok", out)
+
+
+def _layout(state, others: list[torch.Tensor]) -> dict:
+    """How the returned state's tensors sit in memory (checked in the rank: pickling would copy them)."""
+    def owns(x):
+        return x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    pointers = [x.untyped_storage().data_ptr() for x in (state.S, state.z, *others)]
+    return dict(contiguous=(state.S.is_contiguous(), state.z.is_contiguous()), owns=(owns(state.S), owns(state.z)),
+                distinct=len(set(pointers)) == len(pointers))
+
+
+def _run_autocast(name: str, case: dict) -> dict:
+    """Each call in and out of a bfloat16 autocast region, on the same inputs: "equal" or what differed."""
+    q64, k64, v64, w, _ = _local(name, case, dist.get_rank())
+    calls = {
+        "linear-causal": lambda q, k, v: sequence_parallel_linear_attention(q, k, v, causal=True, chunk_size=4),
+        "linear-causal-cosformer": lambda q, k, v: sequence_parallel_linear_attention(
+            q, k, v, causal=True, feature_map=_cosformer(12), method="quadratic"),
+        "linear-noncausal-state": lambda q, k, v: sequence_parallel_linear_attention(
+            q, k, v, causal=False, return_state=True)[1].S,
+        "softmax-causal": lambda q, k, v: ring_softmax_attention(q, k, v, causal=True),
+    }
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for label, call in calls.items():
+            runs = []
+            for autocast in (False, True):
+                q, k, v = (x.to(dtype).requires_grad_(not label.startswith("softmax")) for x in (q64, k64, v64))
+                try:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        with torch.set_grad_enabled(not label.startswith("softmax")):
+                            out = call(q, k, v)
+                    if out.requires_grad:
+                        (out.double() * (w if out.shape == w.shape else 1.0)).sum().backward()
+                    runs.append((out.detach(), [x.grad for x in (q, k, v)]))
+                except (RuntimeError, ValueError, TypeError) as err:
+                    runs.append((f"{type(err).__name__}: {err}", []))
+            (a, grads_a), (b, grads_b) = runs
+            same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                    and torch.equal(a, b) and all(x is None and y is None or torch.equal(x, y)
+                                                  for x, y in zip(grads_a, grads_b)))
+            report[f"{label} {dtype}"] = "equal" if same else f"without autocast: {a!r:.200}; with: {b!r:.200}"
+    return report
 
 
 def _worker(cases: dict[str, dict]) -> dict:
@@ -210,12 +371,15 @@ def _worker(cases: dict[str, dict]) -> dict:
             results[name] = dict(out=out, bytes=counter.by_op())
         elif case["kind"] == "state":
             q, k, v, _, _ = _local(name, case, rank)
-            _, state = sequence_parallel_linear_attention(q, k, v, causal=case["causal"], return_state=True)
-            results[name] = dict(S=state.S, z=state.z)
+            out, state = sequence_parallel_linear_attention(q, k, v, causal=case["causal"], return_state=True,
+                                                            method=case.get("method", "auto"), chunk_size=4)
+            results[name] = dict(S=state.S, z=state.z, layout=_layout(state, [q, k, v, out]))
         elif case["kind"] == "mismatch":
             results[name] = _run_mismatch(case, rank)
         elif case["kind"] == "options":
             results[name] = _run_options(name, case, rank)
+        elif case["kind"] == "autocast":
+            results[name] = _run_autocast(name, case)
         else:
             results[name] = _run_invalid(case, rank)
     return results
@@ -246,7 +410,7 @@ def _reference_linear(name: str, case: dict):
         q, k, v = (x.bfloat16().double() for x in (q, k, v))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = linattn.linear_attention(q, k, v, causal=case["causal"], normalize=case["normalize"],
-                                   attention_mask=mask)
+                                   attention_mask=mask, feature_map=_feature_map(case, "reference_feature_map"))
     (out * w).sum().backward()
     return out.detach(), [x.grad for x in (q, k, v)]
 
@@ -280,7 +444,8 @@ def test_ring_and_allgather_exchanges_agree_bit_for_bit(ranks, world_size):
             assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
 
 
-SOFTMAX_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items() if c["kind"] == "softmax"]
+SOFTMAX_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items()
+               if c["kind"] == "softmax" and "nonfinite" not in c]
 
 
 @pytest.mark.parametrize("world_size,name", SOFTMAX_IDS, ids=[f"P{P}-{n}" for P, n in SOFTMAX_IDS])
@@ -290,6 +455,33 @@ def test_ring_softmax_equals_softmax_attention(ranks, world_size, name):
     want = linattn.softmax_attention(q, k, v, causal=case["causal"])
     for rank, res in enumerate(ranks(world_size)):
         _close(res[name]["out"], want[:, :, _slice(case["lengths"], rank)], f"rank {rank}")
+
+
+def _causal_softmax_by_rows(q, k, v):
+    """Causal softmax attention one query at a time, over its own keys only (no masked pairs at all)."""
+    rows = []
+    for i in range(q.shape[2]):
+        w = torch.softmax(q[:, :, i:i + 1] @ k[:, :, :i + 1].transpose(-1, -2) / D ** 0.5, dim=-1)  # (B, H, 1, i+1)
+        rows.append(w @ v[:, :, :i + 1])
+    return torch.cat(rows, dim=2)
+
+
+NONFINITE_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items() if "nonfinite" in c]
+
+
+@pytest.mark.parametrize("world_size,name", NONFINITE_IDS, ids=[f"P{P}-{n}" for P, n in NONFINITE_IDS])
+def test_ring_softmax_a_nan_or_inf_reaches_no_earlier_query(ranks, world_size, name):
+    case = CASES[world_size][name]
+    q, k, v, _, _ = _inputs(name, case)
+    want = _causal_softmax_by_rows(q, k, v)
+    first = min(t for spots in case["nonfinite"].values() for t, _ in spots)
+    assert torch.isfinite(want[:, :, :first]).all() and not torch.isfinite(want[:, :, first:]).all()
+    for rank, res in enumerate(ranks(world_size)):
+        got, ref = res[name]["out"], want[:, :, _slice(case["lengths"], rank)]
+        assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), f"rank {rank}: NaN/inf at other places"
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"rank {rank}: NaN where one process has inf"
+        ok = torch.isfinite(ref)
+        _close(got[ok], ref[ok], f"rank {rank} finite outputs")
 
 
 def _state_nbytes() -> int:
@@ -345,8 +537,8 @@ def test_which_options_the_ranks_must_agree_on(ranks, name):
     case = CASES[2][name]
     results = [res[name] for res in ranks(2)]
     if "expect" in case:
-        kind, words = case["expect"]
-        for rank, (got_kind, message) in enumerate(results):
+        expect = case["expect"] if isinstance(case["expect"], list) else [case["expect"]] * len(results)
+        for rank, ((kind, words), (got_kind, message)) in enumerate(zip(expect, results)):
             assert got_kind == kind, f"rank {rank} got {got_kind}: {message}"
             for word in words:
                 assert word in message, f"rank {rank}: {word!r} not in {message!r}"
@@ -368,6 +560,32 @@ def test_return_state(ranks, causal):
     results = ranks(2)
     for rank, res in enumerate(results):
         want = first if (causal and rank == 0) else full
+        _close(res[name]["S"], want.S, f"rank {rank} S")
+        _close(res[name]["z"], want.z, f"rank {rank} z")
+
+
+def test_autocast_changes_no_number(ranks):
+    """linattn computes in float32 (float64 kept) in and out of an autocast region: the same
+    outputs, states and gradients, for float32 and bfloat16 inputs."""
+    for rank, res in enumerate(ranks(2)):
+        assert len(res["autocast"]) == 8
+        for call, verdict in res["autocast"].items():
+            assert verdict == "equal", f"rank {rank}, {call}: {verdict}"
+
+
+STATE_IDS = [name for name, c in CASES[2].items() if c["kind"] == "state" and "method" in c]
+
+
+@pytest.mark.parametrize("name", STATE_IDS)
+def test_returned_states_are_contiguous_and_own_their_memory(ranks, name):
+    case = CASES[2][name]
+    q, k, v, _, _ = _inputs(name, case)
+    _, full = linattn.linear_attention(q, k, v, causal=case["causal"], return_state=True)
+    _, first = linattn.linear_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], causal=True, return_state=True)
+    for rank, res in enumerate(ranks(2)):
+        layout = res[name]["layout"]
+        assert layout == dict(contiguous=(True, True), owns=(True, True), distinct=True), f"rank {rank}: {layout}"
+        want = first if (case["causal"] and rank == 0) else full
         _close(res[name]["S"], want.S, f"rank {rank} S")
         _close(res[name]["z"], want.z, f"rank {rank} z")
 
@@ -400,19 +618,109 @@ def test_local_state_is_the_state_linear_attention_returns():
         local_state(k, v[:, :, :5])
 
 
+def test_local_state_is_the_same_under_autocast():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(B, H, 9, D, generator=g)
+    v = torch.randn(B, H, 9, DV, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = local_state(k.to(dtype), v.to(dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = local_state(k.to(dtype), v.to(dtype))
+        assert got.S.dtype == got.z.dtype == torch.float32
+        assert torch.equal(got.S, want.S) and torch.equal(got.z, want.z), dtype
+
+
+def test_local_state_passes_the_offset_to_a_position_dependent_map():
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(B, H, 12, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, 12, DV, generator=g, dtype=torch.float64)
+    for max_len in (12, 20, None):
+        phi = _cosformer(max_len)
+        feats = phi(k)                                               # positions 0..11 of the whole sequence
+        want_S, want_z = feats.transpose(-1, -2) @ v, feats.sum(dim=2)
+        if max_len is None:                                          # only a slice at offset 0 is defined
+            got = local_state(k, v, feature_map=phi)
+        else:
+            parts = [local_state(k[:, :, a:b], v[:, :, a:b], feature_map=phi, offset=a)
+                     for a, b in ((0, 5), (5, 6), (6, 12))]
+            got = linattn.LinearAttentionState(sum(p.S for p in parts), sum(p.z for p in parts))
+        _close(got.S, want_S, f"S, max_len={max_len}")
+        _close(got.z, want_z, f"z, max_len={max_len}")
+    # a map that does not depend on the position ignores the offset
+    assert torch.equal(local_state(k, v, offset=7).S, local_state(k, v).S)
+    with pytest.raises(ValueError, match="local_state with offset=5: feature_map .* depends on the position and "
+                                         "has max_len=None"):
+        local_state(k[:, :, 5:], v[:, :, 5:], feature_map=_cosformer(None), offset=5)
+    with pytest.raises(ValueError, match="exceed max_len"):
+        local_state(k, v, feature_map=_cosformer(12), offset=1)
+    with pytest.raises(ValueError, match="offset must be >= 0 .*, got -1"):
+        local_state(k, v, offset=-1)
+    with pytest.raises(TypeError, match="offset must be an int .*, got float"):
+        local_state(k, v, offset=1.0)
+
+
+def test_the_masked_weighted_sum_leaves_masked_pairs_out():
+    from linattn.distributed import _visible_weighted_sum
+    g = torch.Generator().manual_seed(2)
+    p = torch.rand(B, H, 11, 11, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, 11, 4, generator=g, dtype=torch.float64)    # 11 // 4: two tokens a step
+    visible = torch.ones(11, 11, dtype=torch.bool).tril()
+    p = p * visible                                                # masked weights are 0, as exp(-inf) gives
+    v[0, 1, 3, 0], v[1, 2, 7, 1], v[1, 0, 8] = float("nan"), float("inf"), float("-inf")
+    v[:, :, 10, 0] = float("nan")                                  # more bad tokens than one step takes
+    want = torch.stack([sum(p[..., i, j, None] * v[..., j, :] for j in range(i + 1)) for i in range(11)], dim=2)
+    got = _visible_weighted_sum(p, v, visible)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isfinite(got[:, :, :3]).all()
+    ok = torch.isfinite(want)
+    _close(got[ok], want[ok], "finite entries")
+    clean = torch.randn(B, H, 11, 4, generator=g, dtype=torch.float64)
+    assert torch.equal(_visible_weighted_sum(p, clean, visible), p @ clean)   # no NaN: the plain matmul
+
+
 def _top_level(x):
     return x
 
 
-def test_feature_maps_are_identified_by_function_name_or_class():
+class _CallableObject:
+    def __call__(self, x):
+        return x
+
+
+def test_feature_maps_are_identified_by_name_arguments_or_configuration():
     from linattn.distributed import _feature_map_name
-    from linattn.feature_maps import resolve_feature_map
+    from linattn.feature_maps import CosFormerFeatures, TaylorFeatures, resolve_feature_map
     assert _feature_map_name(resolve_feature_map(" ELU+1")) == "linattn.feature_maps.elu_plus_one"
     assert _feature_map_name(linattn.elu_plus_one) == "linattn.feature_maps.elu_plus_one"
-    assert _feature_map_name(resolve_feature_map("performer")) == "linattn.feature_maps.PerformerFeatures instance"
-    assert _feature_map_name(linattn.feature_maps.TaylorFeatures().forward) == (
-        "linattn.feature_maps.TaylorFeatures.forward")
+    assert _feature_map_name(torch.nn.functional.elu) == "torch.nn.functional.elu"
     assert _feature_map_name(None) == "None (q and k are features)"
+    # modules: class and configuration (so two cosFormer lengths differ), not parameters
+    assert _feature_map_name(CosFormerFeatures(max_len=16)) == (
+        "linattn.feature_maps.CosFormerFeatures instance: CosFormerFeatures(max_len=16)")
+    assert _feature_map_name(CosFormerFeatures(max_len=16)) != _feature_map_name(CosFormerFeatures(max_len=32))
+    assert _feature_map_name(resolve_feature_map("performer")).startswith(
+        "linattn.feature_maps.PerformerFeatures instance: PerformerFeatures(")
+    assert _feature_map_name(TaylorFeatures().forward) == (
+        "linattn.feature_maps.TaylorFeatures.forward bound to "
+        "linattn.feature_maps.TaylorFeatures instance: TaylorFeatures(scale=None)")
+    assert _feature_map_name(_CallableObject()) == f"{__name__}._CallableObject instance"
+    # partials: the function and its plain arguments
+    one, two = (functools.partial(_scaled_elu, scale=s) for s in (1.0, 2.0))
+    assert _feature_map_name(one) == f"{_PARTIAL}1.0)"
+    assert _feature_map_name(one) != _feature_map_name(two)
+    assert _feature_map_name(one) == _feature_map_name(functools.partial(_scaled_elu, scale=1.0))
+    assert _feature_map_name(functools.partial(_scaled_elu, (1, None, "a"))) == (
+        f"functools.partial({__name__}._scaled_elu, (1, None, 'a'))")
+    # what no name identifies: refused
+    for phi, words in [(lambda x: x, "every lambda has the same name, <lambda>"),
+                       (_child_feature_map("<nested: elu+1>"), "is defined inside a function"),
+                       (functools.partial(lambda x, s: x * s, s=2.0), "every lambda"),
+                       (functools.partial(_scaled_elu, scale=torch.tensor(2.0)), "argument of type torch.Tensor "
+                                                                                 "is not a plain value"),
+                       (functools.partial(_scaled_elu, scale=(1, [torch.ones(1)])), "not a plain value"),
+                       (torch.ones(3).mul, "bound to a torch.Tensor, whose value is not compared")]:
+        with pytest.raises(TypeError, match="cannot be compared across processes: .*" + words):
+            _feature_map_name(phi)
 
 
 def test_run_on_ranks_rejects_what_cannot_be_spawned():
