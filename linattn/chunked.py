@@ -142,8 +142,9 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
     :class:`_ChunkwiseLinearAttentionBackward` so that ``torch.func`` transforms compose.
 
     ``torch.func``: forward and backward each have a ``vmap`` rule (the vmapped dimension is
-    folded into the batch), the forward mode (``jvp``) is derived from the trilinear form
-    with the reference loop :func:`chunk_linear_attention`; double backward is refused.
+    folded into the batch); the forward mode (``jvp``, in the subclass
+    :class:`_ChunkwiseLinearAttentionWithJvp`) is derived from the trilinear form with the
+    reference loop :func:`chunk_linear_attention`; second derivatives are refused.
     """
 
     @staticmethod
@@ -209,6 +210,22 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         return (g_q, g_k, g_v, g_S0 if has_S0 else None, g_z0 if has_z0 else None, None, None, None, None)
 
     @staticmethod
+    def vmap(info, in_dims, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, nan_safe):
+        V = info.batch_size
+        args = [_fold(x, d, V) for x, d in zip((phi_q, phi_k, v, S0, z0), in_dims[:5])]
+        out = _chunkwise_function().apply(*args, normalize, eps, chunk_size, nan_safe)
+        return tuple(_unfold(o, V) for o in out), tuple(None if o is None else 0 for o in out)
+
+
+class _ChunkwiseLinearAttentionWithJvp(_ChunkwiseLinearAttention):
+    """:class:`_ChunkwiseLinearAttention` with a forward-mode rule, for ``torch.func`` transforms.
+
+    A separate class because ``torch.compile`` cannot trace an autograd.Function that defines
+    ``jvp`` when gradients are needed; :func:`_chunkwise_function` picks this one only while a
+    ``torch.func`` transform is active.
+    """
+
+    @staticmethod
     def jvp(ctx, t_q, t_k, t_v, t_S0, t_z0, *unused):
         phi_q, phi_k, v, S0, z0, y, den, den_ok = ctx.saved_tensors
         normalize, eps, C, T, N, BH = ctx.config
@@ -239,12 +256,12 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         return (d_y, d_state[..., :-1].contiguous(), d_state[..., -1].contiguous(),
                 None, None, None, None, None, None)
 
-    @staticmethod
-    def vmap(info, in_dims, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, nan_safe):
-        V = info.batch_size
-        args = [_fold(x, d, V) for x, d in zip((phi_q, phi_k, v, S0, z0), in_dims[:5])]
-        out = _ChunkwiseLinearAttention.apply(*args, normalize, eps, chunk_size, nan_safe)
-        return tuple(_unfold(o, V) for o in out), tuple(None if o is None else 0 for o in out)
+
+def _chunkwise_function():
+    """The Function to apply: with a ``jvp`` under ``torch.func`` transforms, without one otherwise."""
+    if torch._C._are_functorch_transforms_active():
+        return _ChunkwiseLinearAttentionWithJvp
+    return _ChunkwiseLinearAttention
 
 
 def _augmented_state(S: Optional[Tensor], z: Optional[Tensor], phi_q: Tensor, v: Tensor) -> Optional[Tensor]:
@@ -437,7 +454,8 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     """
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
     always_safe = compiling()
-    out = _ChunkwiseLinearAttention.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, always_safe)
+    fn = _chunkwise_function()
+    out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, always_safe)
     if not always_safe and not all_finite(out[1], out[2]):   # a NaN/inf somewhere: keep it causal
-        out = _ChunkwiseLinearAttention.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, True)
+        out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, True)
     return out[0], out[1], out[2]

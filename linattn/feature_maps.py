@@ -77,15 +77,17 @@ def elu_plus_one(x: Tensor) -> Tensor:
         If ``x`` is not a floating-point tensor.
     """
     _check_floating(x, "x")
+    if torch._C._are_functorch_transforms_active():
+        return _EluPlusOneWithJvp.apply(x)
     return _EluPlusOne.apply(x)
 
 
 class _EluPlusOne(torch.autograd.Function):
     """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes.
 
-    Written in the ``setup_context`` style with a generated ``vmap`` rule and a forward-mode
-    rule (``jvp``), so that ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``, ``jacrev``,
-    ``hessian``) work through it.
+    Written in the ``setup_context`` style with a generated ``vmap`` rule (and, in
+    :class:`_EluPlusOneWithJvp`, a forward-mode rule), so that ``torch.func`` transforms
+    (``vmap``, ``grad``, ``jvp``, ``jacrev``, ``hessian``) work through it.
     """
 
     generate_vmap_rule = True
@@ -106,6 +108,12 @@ class _EluPlusOne(torch.autograd.Function):
         # dφ/dx = 1 for x > 0 and e^x = φ(x) for x <= 0. Written with the saved output,
         # this backward is itself differentiable (second derivatives work).
         return torch.where(x > 0, grad, grad * y)
+
+
+
+class _EluPlusOneWithJvp(_EluPlusOne):
+    """:class:`_EluPlusOne` with its forward-mode rule: used only under ``torch.func`` transforms
+    (``torch.compile`` cannot trace a Function with ``jvp`` when gradients are needed)."""
 
     @staticmethod
     def jvp(ctx, tangent: Tensor) -> Tensor:
