@@ -16,7 +16,9 @@ inside attention. Every module works on any device and floating dtype its parame
 """
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -28,7 +30,7 @@ from torch import Tensor
 from . import _checks
 from ._checks import shape_str
 from .attention import linear_attention
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import PARAMETRIC_FEATURE_MAPS, FeatureMap, get_feature_map, resolve_feature_map
 from .recurrent import LinearAttentionState, linear_attention_step
 
 __all__ = [
@@ -139,18 +141,16 @@ class _MultiHeadProjections(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: Optional[int], causal: bool, bias: bool) -> None:
         super().__init__()
-        _check_int(d_model, "d_model")
-        _check_int(n_heads, "n_heads")
-        if n_kv_heads is None:
-            n_kv_heads = n_heads
-        _check_int(n_kv_heads, "n_kv_heads")
+        d_model = _checks.check_positive_int(d_model, "d_model")
+        n_heads = _checks.check_positive_int(n_heads, "n_heads")
+        n_kv_heads = n_heads if n_kv_heads is None else _checks.check_positive_int(n_kv_heads, "n_kv_heads")
         if d_model % n_heads:
             raise ValueError(f"d_model must be divisible by n_heads, got d_model={d_model} and n_heads={n_heads}")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads must be divisible by n_kv_heads, got n_heads={n_heads} and "
                              f"n_kv_heads={n_kv_heads}")
-        _check_bool(causal, "causal")
-        _check_bool(bias, "bias")
+        causal = _checks.check_bool(causal, "causal")
+        bias = _checks.check_bool(bias, "bias")
         self.d_model, self.n_heads, self.n_kv_heads, self.causal = d_model, n_heads, n_kv_heads, causal
         self.head_dim = d_model // n_heads
         self.group_size = n_heads // n_kv_heads                   # query heads per key-value head
@@ -178,8 +178,9 @@ class _MultiHeadProjections(nn.Module):
         """(B, H_kv, T, ...) -> (B, H, T, ...): query head ``h`` uses key-value head ``h // group_size``."""
         return t if self.group_size == 1 else t.repeat_interleave(self.group_size, dim=1)
 
-    def _check_inputs(self, x, attention_mask, return_state) -> Optional[Tensor]:
-        """Check the arguments of ``forward``; returns the attention mask as bool (or None)."""
+    def _check_inputs(self, x, attention_mask, return_state) -> tuple[Optional[Tensor], bool]:
+        """Check the arguments of ``forward``; returns the attention mask as bool (or None) and
+        ``return_state`` as a Python bool."""
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {_describe(x)}")
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[0] == 0 or x.shape[1] == 0:
@@ -190,8 +191,8 @@ class _MultiHeadProjections(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
         if x.device != weight.device:
             raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
-        _check_bool(return_state, "return_state")
-        return _check_attention_mask(attention_mask, x.shape[0], x.shape[1], x.device)
+        return_state = _checks.check_bool(return_state, "return_state")
+        return _check_attention_mask(attention_mask, x.shape[0], x.shape[1], x.device), return_state
 
 
 class LinearAttention(_MultiHeadProjections):
@@ -221,17 +222,24 @@ class LinearAttention(_MultiHeadProjections):
     feature_map : str or callable or None
         φ, as in :func:`linattn.linear_attention`: a name (default ``"elu+1"``), a callable
         ``(..., head_dim) -> (..., M)`` (an ``nn.Module`` is registered, so learnable maps
-        train), or None (q and k used as features).
+        train), or None (q and k used as features). A name of a map that needs the head
+        dimension (``"hedgehog"``, ``"performer"``) is built with this layer's ``head_dim``;
+        for other options build the map yourself (:func:`linattn.get_feature_map`).
     causal : bool
         Token ``i`` attends to tokens ``j <= i`` only. Needed for decoding.
     normalize : bool
         Divide by the normaliser ``φ(q_i)ᵀz_i`` (True) or not.
     eps : float
-        Lower bound on the normaliser.
+        Lower bound on the normaliser. It must be a normal float32 number
+        (``1.18e-38 <= eps <= 3.4e38``): the layer computes in float32 for every dtype but
+        float64 (as :func:`linattn.linear_attention` does), and checks it once, here.
     chunk_size : int
         Chunk length of the causal chunkwise algorithm.
     bias : bool
         Biases in the four projections.
+
+    Sizes may be Python or NumPy integers and flags Python or NumPy bools; they are stored
+    as Python ``int`` and ``bool``.
 
     Raises
     ------
@@ -240,22 +248,20 @@ class LinearAttention(_MultiHeadProjections):
         name, a callable nor None.
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
-        ``n_kv_heads``, ``eps <= 0``, an unknown feature map name.
+        ``n_kv_heads``, ``eps`` not a normal positive float32 number, an unknown feature map
+        name.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False,
                  normalize: bool = True, eps: float = 1e-6, chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
-        _check_bool(normalize, "normalize")
-        _check_int(chunk_size, "chunk_size")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-        if not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be a positive finite number, got {eps}")
-        self.feature_map = resolve_feature_map(feature_map)   # a module is registered as a submodule
+        normalize = _checks.check_bool(normalize, "normalize")
+        chunk_size = _checks.check_chunk_size(chunk_size)
+        eps = _checks.check_eps(eps, torch.float32)            # the rule of linear_attention for float32
+        self.feature_map = _build_feature_map(feature_map, self.head_dim)  # a module is registered
         self.feature_map_name = feature_map if isinstance(feature_map, str) else None
-        self.normalize, self.eps, self.chunk_size = normalize, float(eps), chunk_size
+        self.normalize, self.eps, self.chunk_size = normalize, eps, chunk_size
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
@@ -295,11 +301,12 @@ class LinearAttention(_MultiHeadProjections):
             ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
             flag; a ``state`` that is not a ``LinearAttentionState``.
         ValueError
-            ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a state whose
+            ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
+            ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``; a state whose
             shapes do not match ``(B, H_kv, M, head_dim)``; a state with a position-dependent
             feature map.
         """
-        attention_mask = self._check_inputs(x, attention_mask, return_state)
+        attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         phi = self.feature_map
         if state is not None and getattr(phi, "position_dependent", False):
             raise ValueError(
@@ -422,10 +429,11 @@ class SoftmaxAttention(_MultiHeadProjections):
             ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
             flag; a ``state`` that is not a ``KVCache``.
         ValueError
-            ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a cache whose
-            shape or dtype does not match.
+            ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
+            ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
+            a cache whose shape or dtype does not match.
         """
-        attention_mask = self._check_inputs(x, attention_mask, return_state)
+        attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         self._check_state(state, x)
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
@@ -515,15 +523,17 @@ class TransformerBlock(nn.Module):
 
     Raises
     ------
-    TypeError, ValueError
-        As the attention layers, plus an unknown ``attention`` or a bad ``mlp_ratio``.
+    TypeError
+        As the attention layers, plus a non-str ``attention`` or a non-integer ``mlp_ratio``.
+    ValueError
+        As the attention layers, plus an unknown ``attention`` or ``mlp_ratio < 1``.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None, attention: str = "linear",
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False, mlp_ratio: int = 4,
                  chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__()
-        _check_int(mlp_ratio, "mlp_ratio")
+        mlp_ratio = _checks.check_positive_int(mlp_ratio, "mlp_ratio")
         self.ln_1 = nn.LayerNorm(d_model)
         self.attn = _make_attention(attention, d_model, n_heads, n_kv_heads=n_kv_heads, feature_map=feature_map,
                                     causal=causal, chunk_size=chunk_size, bias=bias)
@@ -596,7 +606,9 @@ class TransformerLM(nn.Module):
     attention : str
         ``"linear"`` or ``"softmax"``.
     feature_map : str or callable
-        φ of linear attention (default ``"elu+1"``); one callable object is shared by all blocks.
+        φ of linear attention (default ``"elu+1"``). One callable object is shared by all
+        blocks; a name builds one map per block (with the blocks' ``head_dim`` for
+        ``"hedgehog"`` and ``"performer"``).
     max_len : int
         Number of learned positions: a sequence (prompt plus generated tokens) may have
         at most ``max_len`` real tokens.
@@ -611,10 +623,16 @@ class TransformerLM(nn.Module):
     ----------
     config : TransformerConfig
 
+    Sizes may be Python or NumPy integers (stored in ``config`` as Python ints).
+
     Raises
     ------
-    TypeError, ValueError
-        A bad hyper-parameter, named in the message.
+    TypeError
+        A size that is not an integer, a ``bias`` that is not a bool, an ``attention`` that
+        is not a str, a ``feature_map`` that is neither a name, a callable nor None.
+    ValueError
+        A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
+        ``n_kv_heads``, an unknown ``attention`` or feature map name.
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *,
@@ -622,8 +640,13 @@ class TransformerLM(nn.Module):
                  feature_map: Union[str, FeatureMap, None] = "elu+1", max_len: int = 256, mlp_ratio: int = 4,
                  chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__()
-        for value, name in ((vocab_size, "vocab_size"), (n_layers, "n_layers"), (max_len, "max_len")):
-            _check_int(value, name)
+        vocab_size, d_model, n_layers, n_heads, max_len, mlp_ratio, chunk_size = (
+            _checks.check_positive_int(value, name) for value, name in (
+                (vocab_size, "vocab_size"), (d_model, "d_model"), (n_layers, "n_layers"), (n_heads, "n_heads"),
+                (max_len, "max_len"), (mlp_ratio, "mlp_ratio"), (chunk_size, "chunk_size")))
+        if n_kv_heads is not None:
+            n_kv_heads = _checks.check_positive_int(n_kv_heads, "n_kv_heads")
+        bias = _checks.check_bool(bias, "bias")                            # the config holds Python ints
         self.config = TransformerConfig(vocab_size, d_model, n_layers, n_heads, n_kv_heads, attention, feature_map,
                                         max_len, mlp_ratio, chunk_size, bias)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -692,7 +715,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"idx must hold token ids in [0, {cfg.vocab_size}), got values in "
                              f"[{int(idx.min())}, {int(idx.max())}]")
         attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
-        _check_bool(return_state, "return_state")
+        return_state = _checks.check_bool(return_state, "return_state")
         start = self._check_state(state, B, idx.device)                   # (B,)
         steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if attention_mask is None
                  else attention_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
@@ -784,16 +807,14 @@ class TransformerLM(nn.Module):
             Negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, a mask that is not
             left padding, or more than ``max_len`` tokens in a sequence.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        max_new_tokens = _check_count(max_new_tokens, "max_new_tokens")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a float, got {_checks.type_name(temperature)}")
+        temperature = float(temperature)
         if not (temperature >= 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k is not None:
-            _check_int(top_k, "top_k")
+            top_k = _checks.check_positive_int(top_k, "top_k")
         if isinstance(idx, Tensor) and idx.dim() == 2:
             attention_mask = _check_attention_mask(attention_mask, idx.shape[0], idx.shape[1], idx.device)
         if attention_mask is not None:
@@ -839,16 +860,23 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def _check_int(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+def _check_count(value, name: str) -> int:
+    """``value`` is a Python or NumPy integer >= 0; returns it as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_checks.type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
 
 
-def _check_bool(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+def _build_feature_map(feature_map, head_dim: int):
+    """φ for a layer: a name of a map that takes ``head_dim`` (Hedgehog, Performer) is built for
+    this layer's ``head_dim``; anything else as :func:`linattn.linear_attention` resolves it."""
+    if isinstance(feature_map, str):
+        cls = PARAMETRIC_FEATURE_MAPS.get(feature_map.strip().lower())
+        if cls is not None and "head_dim" in inspect.signature(cls).parameters:
+            return get_feature_map(feature_map, head_dim=head_dim)
+    return resolve_feature_map(feature_map)
 
 
 def _check_attention_mask(mask, batch: int, seq: int, device) -> Optional[Tensor]:
