@@ -60,20 +60,26 @@ class KVCache:
     ----------
     k, v : Tensor
         ``(B, H_kv, T, head_dim)``, the keys and values of every token seen so far, per
-        key-value head (grouped heads are cached once, not once per query head).
+        key-value head (grouped heads are cached once, not once per query head); one
+        floating dtype and one device.
     attention_mask : Tensor
-        ``(B, T)`` bool, True for real tokens; cached padding is never attended to.
+        ``(B, T)`` bool, True for real tokens, on the device of ``k``; cached padding is
+        never attended to.
 
     Its size, ``2·B·H_kv·T·head_dim`` numbers, grows by one key and one value per token:
     decoding token ``t`` reads all ``t`` of them (Vaswani et al., 2017; the cache of
     Pope et al., 2023). Compare :class:`~linattn.LinearAttentionState`, whose size is fixed.
+    The checks run when the cache is built and again every time a layer uses it, so a cache
+    whose attributes were replaced afterwards is refused as well.
 
     Raises
     ------
     TypeError
-        If ``k`` or ``v`` is not a floating tensor, or the mask is not a bool tensor.
+        If ``k`` or ``v`` is not a floating tensor, ``k`` and ``v`` differ in dtype, or the
+        mask is not a bool tensor.
     ValueError
-        If ``k`` and ``v`` are not 4-D of one shape, or the mask is not ``(B, T)``.
+        If ``k`` and ``v`` are not 4-D of one shape, the mask is not ``(B, T)``, or the three
+        are not on one device.
     """
 
     k: Tensor
@@ -81,21 +87,7 @@ class KVCache:
     attention_mask: Tensor
 
     def __post_init__(self) -> None:
-        for name, t in (("state.k", self.k), ("state.v", self.v)):
-            if not isinstance(t, Tensor) or not t.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point torch.Tensor, got {_describe(t)}")
-            if t.dim() != 4:
-                raise ValueError(f"{name} must be 4-D (batch, kv_heads, seq, head_dim), got {shape_str(t.shape)}")
-        if self.k.shape != self.v.shape:
-            raise ValueError(f"state.k and state.v must have one shape, got {shape_str(self.k.shape)} "
-                             f"and {shape_str(self.v.shape)}")
-        m = self.attention_mask
-        if not isinstance(m, Tensor) or m.dtype != torch.bool:
-            raise TypeError(f"state.attention_mask must be a bool torch.Tensor, got {_describe(m)}")
-        expected = (self.k.shape[0], self.k.shape[2])
-        if tuple(m.shape) != expected:
-            raise ValueError(f"state.attention_mask must have shape (batch, seq) = {shape_str(expected)}, "
-                             f"got {shape_str(m.shape)}")
+        _check_kv_cache(self)
 
     @property
     def seq_len(self) -> int:
@@ -106,6 +98,32 @@ class KVCache:
     def nbytes(self) -> int:
         """Memory held by the cache, in bytes (keys, values and mask); grows linearly with ``seq_len``."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.attention_mask))
+
+
+def _check_kv_cache(cache: KVCache, name: str = "state") -> None:
+    """``cache`` holds k, v ``(B, H_kv, T, D)`` of one floating dtype and a ``(B, T)`` bool mask, on one device."""
+    for part in ("k", "v"):
+        t = getattr(cache, part)
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}.{part} must be a floating-point torch.Tensor, got {_describe(t)}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}.{part} must be 4-D (batch, kv_heads, seq, head_dim), got {shape_str(t.shape)}")
+    k, v, m = cache.k, cache.v, cache.attention_mask
+    if k.shape != v.shape:
+        raise ValueError(f"{name}.k and {name}.v must have one shape, got {shape_str(k.shape)} and "
+                         f"{shape_str(v.shape)}")
+    if k.dtype != v.dtype:
+        raise TypeError(f"{name}.k and {name}.v must have one dtype, got {k.dtype} and {v.dtype}")
+    if not isinstance(m, Tensor) or m.dtype != torch.bool:
+        raise TypeError(f"{name}.attention_mask must be a bool torch.Tensor, got {_describe(m)}")
+    expected = (k.shape[0], k.shape[2])
+    if tuple(m.shape) != expected:
+        raise ValueError(f"{name}.attention_mask must have shape (batch, seq) = {shape_str(expected)}, "
+                         f"got {shape_str(m.shape)}")
+    for part, t in (("v", v), ("attention_mask", m)):
+        if t.device != k.device:
+            raise ValueError(f"{name}.{part} is on {t.device} but {name}.k is on {k.device}; a KVCache "
+                             "lives on one device")
 
 
 @dataclass
@@ -120,15 +138,42 @@ class DecodingState:
     positions : Tensor
         ``(B,)`` int64, the number of real (unpadded) tokens each sequence has seen, which
         is the position of its next token.
+
+    The checks run when the state is built and again every time the model uses it.
+
+    Raises
+    ------
+    TypeError
+        If ``layers`` is not a list or tuple of layer states, or ``positions`` is not an
+        int64 tensor.
+    ValueError
+        If ``positions`` is not 1-D.
     """
 
     layers: list
     positions: Tensor
 
+    def __post_init__(self) -> None:
+        _check_decoding_state(self)
+
     @property
     def nbytes(self) -> int:
         """Memory held by all layers' states and the positions, in bytes."""
         return sum(s.nbytes for s in self.layers) + self.positions.numel() * self.positions.element_size()
+
+
+def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
+    layers = state.layers
+    if not isinstance(layers, (list, tuple)):
+        raise TypeError(f"{name}.layers must be a list of layer states (one per block), got {_describe(layers)}")
+    for i, s in enumerate(layers):
+        if not isinstance(s, (LinearAttentionState, KVCache)):
+            raise TypeError(f"{name}.layers[{i}] must be a LinearAttentionState or a KVCache, got {_describe(s)}")
+    p = state.positions
+    if not isinstance(p, Tensor) or p.dtype != torch.long:
+        raise TypeError(f"{name}.positions must be an int64 tensor of shape (batch,), got {_describe(p)}")
+    if p.dim() != 1:
+        raise ValueError(f"{name}.positions must have shape (batch,), got {shape_str(p.shape)}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,8 +327,10 @@ class LinearAttention(_MultiHeadProjections):
             or to the returned state (their own outputs are meaningless).
         state : LinearAttentionState, optional
             The state after earlier tokens: ``S`` ``(B, H_kv, M, head_dim)``, ``z``
-            ``(B, H_kv, M)``. The tokens of ``x`` come after them. Not with a feature map
-            marked ``position_dependent`` (cosFormer): the state does not record the position.
+            ``(B, H_kv, M)``, in the dtype this layer returns states in (float32, float64 for
+            float64 ``x``) and on the device of ``x``; checked at every call. The tokens of
+            ``x`` come after them. Not with a feature map marked ``position_dependent``
+            (cosFormer): the state does not record the position.
         return_state : bool
             Also return the state after the last token of ``x``.
 
@@ -293,18 +340,20 @@ class LinearAttention(_MultiHeadProjections):
             ``(B, T, d_model)``, dtype of ``x``.
         state : LinearAttentionState
             Only if ``return_state``: float32 (float64 for float64 inputs), its size
-            independent of how many tokens it summarises.
+            independent of how many tokens it summarises. A new object whose tensors share
+            no memory with ``x``, the mask or the ``state`` passed in.
 
         Raises
         ------
         TypeError
             ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
-            flag; a ``state`` that is not a ``LinearAttentionState``.
+            flag; a ``state`` that is not a ``LinearAttentionState``, or whose ``S`` or ``z`` is
+            not a floating tensor or not in the state dtype above.
         ValueError
             ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
-            ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``; a state whose
-            shapes do not match ``(B, H_kv, M, head_dim)``; a state with a position-dependent
-            feature map.
+            ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
+            a state whose shapes do not match ``(B, H_kv, M, head_dim)`` or that is not on the
+            device of ``x``; a state with a position-dependent feature map.
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         phi = self.feature_map
@@ -334,19 +383,27 @@ class LinearAttention(_MultiHeadProjections):
         return (y, self._shrink_state(state)) if return_state else y
 
     def _check_state(self, state, x: Tensor, feature_dim: int) -> None:
+        """Checked at every use (not only when the state was built: its attributes may have been replaced)."""
         if state is None:
             return
         if not isinstance(state, LinearAttentionState):
             raise TypeError(f"state must be a LinearAttentionState (or None) for LinearAttention, "
                             f"got {type(state).__name__}")
+        _checks.check_tensor(state.S, "state.S", 4, "(batch, n_kv_heads, M, head_dim)")
+        _checks.check_tensor(state.z, "state.z", 3, "(batch, n_kv_heads, M)")
         expected = (x.shape[0], self.n_kv_heads, feature_dim, self.head_dim)
         if tuple(state.S.shape) != expected or tuple(state.z.shape) != expected[:3]:
             raise ValueError(
                 f"state must have S of shape (batch, n_kv_heads, M, head_dim) = {shape_str(expected)} and "
                 f"z of shape {shape_str(expected[:3])}, got S {shape_str(state.S.shape)} and z "
                 f"{shape_str(state.z.shape)}")
-        if state.S.device != x.device:
-            raise ValueError(f"state is on {state.S.device} but x is on {x.device}")
+        acc = _checks.accumulation_dtype(x.dtype)
+        for name, t in (("state.S", state.S), ("state.z", state.z)):
+            if t.dtype != acc:
+                raise TypeError(f"{name} is {t.dtype} but a layer fed {x.dtype} keeps its state in {acc} "
+                                "(the dtype of the states it returns)")
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
     def _expand_state(self, state: Optional[LinearAttentionState]) -> Optional[LinearAttentionState]:
         if state is None or self.group_size == 1:
@@ -411,8 +468,9 @@ class SoftmaxAttention(_MultiHeadProjections):
             convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); padded keys get zero weight, and a query
             that sees no real key (left padding) outputs zeros.
         state : KVCache, optional
-            Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)``; when causal
-            the tokens of ``x`` sit at positions ``T_cache, ..., T_cache + T - 1``.
+            Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)`` in the dtype
+            of ``x`` and on its device; checked at every call. When causal the tokens of
+            ``x`` sit at positions ``T_cache, ..., T_cache + T - 1``.
         return_state : bool
             Also return the cache extended by the tokens of ``x``.
 
@@ -421,23 +479,27 @@ class SoftmaxAttention(_MultiHeadProjections):
         y : Tensor
             ``(B, T, d_model)``, dtype of ``x``.
         state : KVCache
-            Only if ``return_state``: ``T_cache + T`` tokens, in the dtype of ``x``.
+            Only if ``return_state``: ``T_cache + T`` tokens, in the dtype of ``x``; a new
+            cache whose tensors share no memory with ``x``, the mask or the cache passed in.
 
         Raises
         ------
         TypeError
             ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
-            flag; a ``state`` that is not a ``KVCache``.
+            flag; a ``state`` that is not a ``KVCache``, or one that no longer passes the
+            checks of :class:`KVCache`, or holds keys of another dtype than ``x``.
         ValueError
             ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
             ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
-            a cache whose shape or dtype does not match.
+            a cache whose shapes do not match the layer or each other, or whose ``k``, ``v``
+            or mask is not on the device of ``x`` (the message names which).
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         self._check_state(state, x)
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
-        mask = attention_mask if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
+        # the returned cache owns its memory: never the caller's mask itself
+        mask = attention_mask.clone() if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
         if state is not None:
             k = torch.cat([state.k, k], dim=2)                            # (B, H_kv, P + T, D)
             v = torch.cat([state.v, v], dim=2)
@@ -462,10 +524,12 @@ class SoftmaxAttention(_MultiHeadProjections):
         return allowed | empty, empty                                     # no -inf-only rows: no NaN
 
     def _check_state(self, state, x: Tensor) -> None:
+        """Checked at every use (not only when the cache was built: its attributes may have been replaced)."""
         if state is None:
             return
         if not isinstance(state, KVCache):
             raise TypeError(f"state must be a KVCache (or None) for SoftmaxAttention, got {type(state).__name__}")
+        _check_kv_cache(state)
         B, Hkv, _, D = state.k.shape
         if (B, Hkv, D) != (x.shape[0], self.n_kv_heads, self.head_dim):
             raise ValueError(
@@ -473,8 +537,9 @@ class SoftmaxAttention(_MultiHeadProjections):
                 f"head_dim={self.head_dim}), got {shape_str(state.k.shape)}")
         if state.k.dtype != x.dtype:
             raise TypeError(f"state holds {state.k.dtype} keys but x is {x.dtype}")
-        if state.k.device != x.device or state.attention_mask.device != x.device:
-            raise ValueError(f"state is on {state.k.device} but x is on {x.device}")
+        for name, t in (("state.k", state.k), ("state.v", state.v), ("state.attention_mask", state.attention_mask)):
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -686,6 +751,7 @@ class TransformerLM(nn.Module):
             left-padded prompt is processed exactly as the same prompt alone.
         state : DecodingState, optional
             From an earlier call with ``return_state=True``: ``idx`` continues those sequences.
+            Checked at every call, and each layer's state again by its attention layer.
         return_state : bool
             Also return the state after ``idx``.
 
@@ -694,16 +760,18 @@ class TransformerLM(nn.Module):
         logits : Tensor
             ``(B, T, vocab_size)`` in the parameters' dtype (meaningless at padded positions).
         state : DecodingState
-            Only if ``return_state``.
+            Only if ``return_state``: a new state sharing no memory with the inputs.
 
         Raises
         ------
         TypeError
             ``idx`` not an int64 tensor; a non-bool mask; a ``state`` that is not a
-            ``DecodingState`` or holds the wrong kind of layer state.
+            ``DecodingState``, holds the wrong kind of layer state for a block (or None), or
+            has positions that are not an int64 tensor.
         ValueError
-            ``idx`` not 2-D or with ids out of range; a mask not ``(B, T)``; a state for a
-            different batch or number of layers; a position ``>= max_len``.
+            ``idx`` not 2-D, empty (``B`` or ``T`` = 0) or with ids out of range; a mask not
+            ``(B, T)``; a state for a different batch or number of layers, with negative
+            positions or positions on another device; a position ``>= max_len``.
         """
         cfg = self.config
         if not isinstance(idx, Tensor) or idx.dtype != torch.long:
@@ -736,19 +804,30 @@ class TransformerLM(nn.Module):
         return logits, DecodingState(layer_states, start + steps[:, -1])
 
     def _check_state(self, state, batch: int, device) -> Tensor:
-        """The positions where the sequences continue: (B,) int64 (zeros without a state)."""
+        """The positions where the sequences continue: (B,) int64 (zeros without a state).
+
+        Checked at every use; each layer state is checked again by its attention layer."""
         if state is None:
             return torch.zeros(batch, dtype=torch.long, device=device)
         if not isinstance(state, DecodingState):
             raise TypeError(f"state must be a DecodingState (or None), got {type(state).__name__}")
-        if not isinstance(state.layers, (list, tuple)) or len(state.layers) != self.config.n_layers:
+        _check_decoding_state(state)
+        if len(state.layers) != self.config.n_layers:
             raise ValueError(f"state must hold one layer state per block ({self.config.n_layers}), got "
-                             f"{len(state.layers) if isinstance(state.layers, (list, tuple)) else state.layers!r}")
+                             f"{len(state.layers)}")
+        for i, (s, block) in enumerate(zip(state.layers, self.blocks)):
+            kind = LinearAttentionState if isinstance(block.attn, LinearAttention) else KVCache
+            if not isinstance(s, kind):
+                raise TypeError(f"state.layers[{i}] must be a {kind.__name__} for block {i} "
+                                f"({type(block.attn).__name__}), got {type(s).__name__}")
         p = state.positions
-        if not isinstance(p, Tensor) or p.dtype != torch.long or tuple(p.shape) != (batch,):
+        if tuple(p.shape) != (batch,):
             raise ValueError(f"state.positions must be an int64 tensor of shape (batch,) = ({batch},), "
                              f"got {_describe(p)}")
-        return p.to(device)
+        if p.device != device:
+            raise ValueError(f"state.positions is on {p.device} but idx is on {device}")
+        _checks.check_values(p >= 0, "state.positions", "a count of tokens seen, >= 0", p)
+        return p
 
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.

@@ -364,7 +364,7 @@ def test_bad_model_inputs():
     with pytest.raises(ValueError, match=r"state.positions .*shape \(batch,\) = \(3,\)"):
         model(_ids(3, 1), state=state)
     softmax = _model("softmax")
-    with pytest.raises(TypeError, match="state must be a KVCache"):
+    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a KVCache"):
         softmax(_ids(2, 1), state=state)                                    # a linear model's state
     with pytest.raises(ValueError, match="left padding"):
         model.generate(_ids(2, 5), 3, attention_mask=torch.tensor([[True] * 4 + [False]] * 2))

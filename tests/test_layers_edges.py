@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import linattn
+from linattn import LinearAttentionState
 from linattn.layers import (
+    DecodingState,
+    KVCache,
     LinearAttention,
     SoftmaxAttention,
     TransformerBlock,
@@ -92,3 +95,174 @@ def test_model_with_a_feature_map_that_needs_head_dim():
     assert [b.attn.feature_map.head_dim for b in model.blocks] == [8, 8]
     assert model.blocks[0].attn.feature_map is not model.blocks[1].attn.feature_map
     assert model(_ids(2, 5)).shape == (2, 5, VOCAB)
+
+
+# ---------------------------------------------------------------------------------------
+# KVCache: one dtype, devices named, memory of its own
+# ---------------------------------------------------------------------------------------
+
+
+def _cache_parts(B=2, H=2, T=3, D=8):
+    return torch.zeros(B, H, T, D), torch.zeros(B, H, T, D), torch.ones(B, T, dtype=torch.bool)
+
+
+def test_kv_cache_refuses_keys_and_values_of_different_dtypes():
+    k, v, mask = _cache_parts()
+    with pytest.raises(TypeError, match=r"state.k and state.v must have one dtype, got torch.float32 and "
+                                        r"torch.float64"):
+        KVCache(k, v.double(), mask)
+
+
+def test_kv_cache_device_errors_name_the_tensor_on_the_wrong_device():
+    k, v, mask = _cache_parts()                                             # "meta": a second device on any machine
+    with pytest.raises(ValueError, match=r"state.v is on meta but state.k is on cpu"):
+        KVCache(k, v.to("meta"), mask)
+    with pytest.raises(ValueError, match=r"state.attention_mask is on meta but state.k is on cpu"):
+        KVCache(k, v, mask.to("meta"))
+    layer = SoftmaxAttention(32, 4, n_kv_heads=2, causal=True)
+    with pytest.raises(ValueError, match=r"state.k is on meta but x is on cpu"):
+        layer(torch.randn(2, 1, 32), state=KVCache(k.to("meta"), v.to("meta"), mask.to("meta")))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, LinearAttentionState):
+        yield from (obj.S, obj.z)
+    elif isinstance(obj, KVCache):
+        yield from (obj.k, obj.v, obj.attention_mask)
+    elif isinstance(obj, DecodingState):
+        for s in obj.layers:
+            yield from _tensors(s)
+        yield obj.positions
+
+
+def _storages(*objs) -> set[int]:
+    return {t.untyped_storage().data_ptr() for obj in objs if obj is not None for t in _tensors(obj)}
+
+
+def _mask(kind, B, T):
+    if kind is None:
+        return None
+    m = torch.ones(B, T, dtype=torch.bool)
+    m[0, :1] = False                                                         # left padding in row 0
+    return m if kind == "bool" else m.long()
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "int"])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cls", [LinearAttention, SoftmaxAttention])
+def test_returned_layer_state_shares_no_memory_with_any_input(cls, causal, n_kv_heads, T, mask_kind):
+    torch.manual_seed(0)
+    layer = cls(32, 4, n_kv_heads=n_kv_heads, causal=causal)
+    x = torch.randn(2, T, 32)
+    mask = _mask(mask_kind, 2, T)
+    for prev in (None, layer(torch.randn(2, 3, 32), return_state=True)[1]):
+        _, state = layer(x, attention_mask=mask, state=prev, return_state=True)
+        assert not _storages(state) & _storages(x, mask, prev), "the returned state aliases an input"
+
+
+def test_kv_cache_is_not_changed_by_editing_the_callers_mask():
+    layer = SoftmaxAttention(32, 4, causal=True)
+    mask = torch.tensor([[False, True, True]])
+    _, cache = layer(torch.randn(1, 3, 32), attention_mask=mask, return_state=True)
+    mask.fill_(True)                                                          # the caller reuses its buffer
+    assert cache.attention_mask.tolist() == [[False, True, True]]
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+def test_returned_decoding_state_shares_no_memory_with_any_input(attention):
+    model = _model(attention, n_kv_heads=2)
+    idx, mask = _ids(2, 4), torch.tensor([[False, True, True, True], [True] * 4])
+    with torch.no_grad():
+        _, s1 = model(idx, attention_mask=mask, return_state=True)
+        assert not _storages(s1) & _storages(idx, mask)
+        nxt = _ids(2, 1, seed=3)
+        _, s2 = model(nxt, state=s1, return_state=True)
+        assert not _storages(s2) & _storages(nxt, s1)
+
+
+# ---------------------------------------------------------------------------------------
+# A state is checked every time it is used, not only when it was built
+# ---------------------------------------------------------------------------------------
+
+
+def _linear_state(n_kv_heads=2):
+    layer = LinearAttention(32, 4, n_kv_heads=n_kv_heads, causal=True)
+    _, state = layer(torch.randn(2, 5, 32), return_state=True)
+    return layer, state
+
+
+@pytest.mark.parametrize("attr, value, error, match", [
+    ("S", None, TypeError, r"state.S must be a torch.Tensor, got NoneType"),
+    ("z", 3, TypeError, r"state.z must be a torch.Tensor, got int"),
+    ("z", "long", TypeError, r"state.z must be a floating-point tensor, got dtype torch.int64"),
+    ("S", "narrow", ValueError, r"state must have S of shape \(batch, n_kv_heads, M, head_dim\) = \(2, 2, 8, 8\)"),
+    ("S", "3-D", ValueError, r"state.S must be 4-D"),
+    ("S", "double", TypeError, r"state.S is torch.float64 but a layer fed torch.float32 keeps its state in "
+                               r"torch.float32"),
+    ("z", "meta", ValueError, r"state.z is on meta but x is on cpu"),
+])
+def test_a_mutated_linear_state_is_checked_when_it_is_used(attr, value, error, match):
+    layer, state = _linear_state()
+    t = getattr(state, attr)
+    value = {"long": lambda: t.long(), "narrow": lambda: t[..., :4], "3-D": lambda: t[:, 0],
+             "double": lambda: t.double(), "meta": lambda: t.to("meta")}.get(value, lambda: value)()
+    setattr(state, attr, value)
+    for T in (1, 4):                                                            # the step and the chunk paths
+        with pytest.raises(error, match=match):
+            layer(torch.randn(2, T, 32), state=state)
+
+
+@pytest.mark.parametrize("attr, make, error, match", [
+    ("k", lambda c: c.k[:, :, :2], ValueError, r"state.k and state.v must have one shape"),
+    ("v", lambda c: c.v.double(), TypeError, r"state.k and state.v must have one dtype"),
+    ("v", lambda c: None, TypeError, r"state.v must be a floating-point torch.Tensor, got NoneType"),
+    ("attention_mask", lambda c: c.attention_mask[:, 1:], ValueError,
+     r"state.attention_mask must have shape \(batch, seq\) = \(2, 5\)"),
+    ("attention_mask", lambda c: c.attention_mask.long(), TypeError, r"state.attention_mask must be a bool"),
+    ("attention_mask", lambda c: c.attention_mask.to("meta"), ValueError,
+     r"state.attention_mask is on meta but state.k is on cpu"),
+])
+def test_a_mutated_kv_cache_is_checked_when_it_is_used(attr, make, error, match):
+    layer = SoftmaxAttention(32, 4, n_kv_heads=2, causal=True)
+    _, cache = layer(torch.randn(2, 5, 32), return_state=True)
+    setattr(cache, attr, make(cache))
+    with pytest.raises(error, match=match):
+        layer(torch.randn(2, 1, 32), state=cache)
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+def test_a_mutated_decoding_state_is_checked_when_it_is_used(attention):
+    model = _model(attention)
+    with torch.no_grad():
+        _, state = model(_ids(2, 5), return_state=True)
+    nxt = _ids(2, 1, seed=2)
+    good_layers, good_positions = list(state.layers), state.positions
+    state.layers[0] = None                                    # was silently taken as "no earlier tokens"
+    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a LinearAttentionState or a KVCache, got NoneType"):
+        model(nxt, state=state)
+    state.layers = good_layers
+    for positions, error, match in [
+        (good_positions.int(), TypeError, r"state.positions must be an int64 tensor"),
+        ([5, 5], TypeError, r"state.positions must be an int64 tensor"),
+        (good_positions[:, None], ValueError, r"state.positions must have shape \(batch,\)"),
+        (torch.tensor([5, -1]), ValueError, r"state.positions must be a count of tokens seen, >= 0, got -1"),
+        (good_positions.to("meta"), ValueError, r"state.positions is on meta but idx is on cpu"),
+    ]:
+        state.positions = positions
+        with pytest.raises(error, match=match):
+            model(nxt, state=state)
+    state.positions = good_positions
+    setattr(state.layers[1], "S" if attention == "linear" else "k", None)    # checked again by the layer
+    with pytest.raises(TypeError, match=r"state\.[Sk] must be a"):
+        model(nxt, state=state)
+
+
+def test_decoding_state_is_checked_when_built():
+    with pytest.raises(TypeError, match=r"state.layers\[1\] must be a LinearAttentionState or a KVCache, got int"):
+        DecodingState([KVCache(*_cache_parts()), 3], torch.zeros(2, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"state.positions must be an int64 tensor"):
+        DecodingState([], torch.zeros(2))
