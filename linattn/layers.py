@@ -52,7 +52,7 @@ ATTENTIONS = ("linear", "softmax")
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class KVCache:
     """The keys and values softmax attention keeps for decoding (one layer).
 
@@ -70,7 +70,9 @@ class KVCache:
     decoding token ``t`` reads all ``t`` of them (Vaswani et al., 2017; the cache of
     Pope et al., 2023). Compare :class:`~linattn.LinearAttentionState`, whose size is fixed.
     The checks run when the cache is built and again every time a layer uses it, so a cache
-    whose attributes were replaced afterwards is refused as well.
+    whose attributes were replaced afterwards is refused as well. ``a == b`` is a bool: True
+    when both are caches whose ``k``, ``v`` and masks have the same shapes, dtypes, devices and
+    values (``torch.equal``, so a NaN makes a cache unequal even to itself).
 
     Raises
     ------
@@ -88,6 +90,14 @@ class KVCache:
 
     def __post_init__(self) -> None:
         _check_kv_cache(self)
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same_tensor(a, b) for a, b in zip((self.k, self.v, self.attention_mask),
+                                                       (other.k, other.v, other.attention_mask)))
+
+    __hash__ = None                                                       # mutable, compared by value
 
     @property
     def seq_len(self) -> int:
@@ -126,7 +136,7 @@ def _check_kv_cache(cache: KVCache, name: str = "state") -> None:
                              "lives on one device")
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodingState:
     """Everything :class:`TransformerLM` needs to continue a batch of sequences.
 
@@ -139,7 +149,9 @@ class DecodingState:
         ``(B,)`` int64, the number of real (unpadded) tokens each sequence has seen, which
         is the position of its next token.
 
-    The checks run when the state is built and again every time the model uses it.
+    The checks run when the state is built and again every time the model uses it. ``a == b``
+    is a bool: True when both hold as many layer states, each equal to its partner by that
+    state's own ``==``, and equal positions (same shape, dtype, device and values).
 
     Raises
     ------
@@ -156,10 +168,25 @@ class DecodingState:
     def __post_init__(self) -> None:
         _check_decoding_state(self)
 
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        if len(self.layers) != len(other.layers) or not _same_tensor(self.positions, other.positions):
+            return False
+        return all(type(a) is type(b) and bool(a == b) for a, b in zip(self.layers, other.layers))
+
+    __hash__ = None
+
     @property
     def nbytes(self) -> int:
         """Memory held by all layers' states and the positions, in bytes."""
         return sum(s.nbytes for s in self.layers) + self.positions.numel() * self.positions.element_size()
+
+
+def _same_tensor(a, b) -> bool:
+    """Same shape, dtype, device and values (False for anything that is not a pair of tensors)."""
+    return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device and torch.equal(a, b))
 
 
 def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
