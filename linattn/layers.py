@@ -799,25 +799,23 @@ class TransformerLM(nn.Module):
             ``idx`` not 2-D, empty (``B`` or ``T`` = 0) or with ids out of range; a mask not
             ``(B, T)``; a state for a different batch or number of layers, with negative
             positions or positions on another device; a position ``>= max_len``.
+        RuntimeError
+            Under ``torch.compile`` (which traces ``forward`` into one graph, no breaks), ids
+            out of range, positions ``>= max_len`` and non-0/1 integer masks are checked inside
+            the graph (``torch._assert_async``) and raise this instead of the ValueError.
         """
         cfg = self.config
-        if not isinstance(idx, Tensor) or idx.dtype != torch.long:
-            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {_describe(idx)}")
-        if idx.dim() != 2 or idx.shape[0] == 0 or idx.shape[1] == 0:
-            raise ValueError(f"idx must have shape (batch, seq) with batch, seq >= 1, got {shape_str(idx.shape)}")
+        self._check_idx(idx)
         B, T = idx.shape
-        if int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size:
-            raise ValueError(f"idx must hold token ids in [0, {cfg.vocab_size}), got values in "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
         attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
         return_state = _checks.check_bool(return_state, "return_state")
         start = self._check_state(state, B, idx.device)                   # (B,)
         steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if attention_mask is None
                  else attention_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
         pos = (start[:, None] + steps - 1).clamp_min(0)                   # (B, T) padding before a prompt: 0
-        if int(pos.max()) >= cfg.max_len:
-            raise ValueError(f"a sequence reached position {int(pos.max())} but the model has max_len="
-                             f"{cfg.max_len} learned positions")
+        _checks.check_values(pos < cfg.max_len, "the position of every token",
+                             f"< max_len={cfg.max_len} (the model's learned positions: a sequence holds at most "
+                             f"{cfg.max_len} real tokens, earlier ones in state included)", pos)
         x = self.tok_emb(idx) + self.pos_emb(pos)                         # (B, T, d_model)
         layer_states = []
         for i, block in enumerate(self.blocks):
@@ -829,6 +827,18 @@ class TransformerLM(nn.Module):
         if not return_state:
             return logits
         return logits, DecodingState(layer_states, start + steps[:, -1])
+
+    def _check_idx(self, idx) -> None:
+        """``idx`` is a ``(B, T)`` int64 tensor of ids on the model's device (as a graph-safe value check)."""
+        V = self.config.vocab_size
+        if not isinstance(idx, Tensor) or idx.dtype != torch.long:
+            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {_describe(idx)}")
+        if idx.dim() != 2 or idx.shape[0] == 0 or idx.shape[1] == 0:
+            raise ValueError(f"idx must have shape (batch, seq) with batch, seq >= 1, got {shape_str(idx.shape)}")
+        device = self.tok_emb.weight.device
+        if idx.device != device:
+            raise ValueError(f"idx is on {idx.device} but the model's parameters are on {device}")
+        _checks.check_values((idx >= 0) & (idx < V), "idx", f"a tensor of token ids in [0, {V})", idx)
 
     def _check_state(self, state, batch: int, device) -> Tensor:
         """The positions where the sequences continue: (B,) int64 (zeros without a state).

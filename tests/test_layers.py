@@ -352,7 +352,7 @@ def test_bad_model_inputs():
         model(torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r"idx must have shape \(batch, seq\)"):
         model(_ids(5))
-    with pytest.raises(ValueError, match=r"idx must hold token ids in \[0, 29\)"):
+    with pytest.raises(ValueError, match=r"idx must be a tensor of token ids in \[0, 29\), got 29 at index \(0, 0\)"):
         model(torch.full((1, 3), VOCAB))
     with pytest.raises(ValueError, match="attention_mask"):
         model(_ids(2, 5), attention_mask=torch.ones(2, 6, dtype=torch.bool))
