@@ -887,69 +887,86 @@ class TransformerLM(nn.Module):
 
         The prompt is processed in one parallel pass that returns the state (the recurrent
         state of linear attention, the KV cache of softmax attention); each new token then
-        costs one step from that state. Sampling follows nanoGPT: logits divided by
-        ``temperature``, optionally cut to the ``top_k`` largest, then a draw.
+        costs one step from that state. Sampling follows nanoGPT: the logits optionally cut
+        to the ``top_k`` largest, divided by ``temperature``, then a draw from their softmax.
+        Every argument is checked before anything runs, whatever ``max_new_tokens`` is.
+
+        A sequence holds at most ``max_len`` real tokens, the prompt's and the generated
+        ones together (``longest prompt + max_new_tokens <= max_len``), so the returned
+        sequences are valid inputs of :meth:`forward` (with the mask extended by True).
 
         Parameters
         ----------
         idx : Tensor
-            ``(B, T)`` int64 prompts. Prompts of different lengths are left-padded: pad ids
-            (any valid id) first, marked False in ``attention_mask``.
+            ``(B, T)`` int64 prompts, as in :meth:`forward`. Prompts of different lengths are
+            left-padded: pad ids (any valid id) first, marked False in ``attention_mask``.
         max_new_tokens : int
             Tokens to generate, ``>= 0``.
         temperature : float
-            ``> 0`` to sample; ``0`` for greedy decoding (the most likely token every step).
+            ``> 0`` to sample, any positive float: the draw is from
+            ``softmax((logits - max) / temperature)``, so as ``temperature`` goes to 0 it
+            becomes the most likely token (a uniform draw among exact ties) and never
+            overflows; ``0`` for greedy decoding (the first most likely token every step).
         top_k : int, optional
-            Sample among the ``top_k`` most likely tokens only.
+            Sample among the ``top_k`` most likely tokens only (tokens tied with the
+            ``top_k``-th are kept; a ``top_k`` of at least ``vocab_size`` cuts nothing).
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); each row must be False then True (left
-            padding) with at least one True.
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Each row must be False then True (left padding), ending in a real token.
         generator : torch.Generator, optional
-            Random source of the draws (on the model's device).
+            Random source of the draws, on the model's device type.
 
         Returns
         -------
         Tensor
-            ``(B, T + max_new_tokens)`` int64: the prompts as given, then the new tokens.
-            Each row equals what its prompt generates alone (greedy; up to float rounding).
+            ``(B, T + max_new_tokens)`` int64: the prompts as given (a copy), then the new
+            tokens. Each row equals what its prompt generates alone (greedy; up to float
+            rounding).
 
         Raises
         ------
         TypeError
-            A non-int ``max_new_tokens`` or ``top_k``, a non-number ``temperature`` (and as
-            :meth:`forward`).
+            ``idx`` not an int64 tensor; a non-integer ``max_new_tokens`` or ``top_k``; a
+            non-number ``temperature``; a ``generator`` that is not a ``torch.Generator``; a
+            non-bool mask.
         ValueError
-            Negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, a mask that is not
-            left padding, or more than ``max_len`` tokens in a sequence.
+            ``idx`` not ``(B, T)`` with ``B, T >= 1``, not on the model's device or with ids
+            out of range; negative ``max_new_tokens``; a negative or non-finite
+            ``temperature``; ``top_k < 1``; a generator on another device type; a mask that is
+            not ``(B, T)`` or not left padding; a prompt plus ``max_new_tokens`` longer than
+            ``max_len``.
         """
+        self._check_idx(idx)
+        B, T = idx.shape
         max_new_tokens = _check_count(max_new_tokens, "max_new_tokens")
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise TypeError(f"temperature must be a float, got {_checks.type_name(temperature)}")
-        temperature = float(temperature)
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        temperature = _check_temperature(temperature)
         if top_k is not None:
             top_k = _checks.check_positive_int(top_k, "top_k")
-        if isinstance(idx, Tensor) and idx.dim() == 2:
-            attention_mask = _check_attention_mask(attention_mask, idx.shape[0], idx.shape[1], idx.device)
+        if generator is not None:
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator must be a torch.Generator (or None), got {_checks.type_name(generator)}")
+            if generator.device.type != idx.device.type:
+                raise ValueError(f"generator is on {generator.device} but the model is on {idx.device}")
+        attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
         if attention_mask is not None:
             left_padded = (attention_mask[:, 1:] >= attention_mask[:, :-1]).all() & attention_mask[:, -1].all()
             if not bool(left_padded):
                 raise ValueError("attention_mask must describe left padding (each row False... then True..., "
                                  "ending in a real token) for generate")
+        longest = T if attention_mask is None else int(attention_mask.sum(dim=1).max())
+        if longest + max_new_tokens > self.config.max_len:
+            raise ValueError(f"a prompt of {longest} real tokens plus max_new_tokens={max_new_tokens} makes "
+                             f"{longest + max_new_tokens} tokens but the model has max_len={self.config.max_len} "
+                             "positions")
         if max_new_tokens == 0:
             return idx.clone()
-        longest = idx.shape[1] if attention_mask is None else int(attention_mask.sum(dim=1).max())
-        if longest + max_new_tokens - 1 > self.config.max_len:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
-                             f"{longest + max_new_tokens - 1} positions but max_len={self.config.max_len}")
         logits, state = self(idx, attention_mask=attention_mask, return_state=True)  # (B, T, V)
         new = []
         for i in range(max_new_tokens):
             nxt = self._pick(logits[:, -1], temperature, top_k, generator)                # (B, 1)
             new.append(nxt)
-            if i + 1 < max_new_tokens:
+            if i + 1 < max_new_tokens:                                                   # the last is not fed back
                 logits, state = self(nxt, state=state, return_state=True)                 # (B, 1, V)
         return torch.cat([idx, *new], dim=1)                                              # (B, T + new)
 
@@ -958,11 +975,17 @@ class TransformerLM(nn.Module):
         """One token per row of ``logits`` (B, V): argmax when ``temperature == 0``, else a draw."""
         if temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)                   # (B, 1)
-        logits = logits.float() / temperature
+        logits = logits.float()
         if top_k is not None and top_k < logits.shape[-1]:
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]       # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+        # Shift first: (logits - max) <= 0, exactly 0 at the maximum, so dividing by a tiny temperature
+        # gives 0 and -inf (never inf - inf = NaN). The temperature rounds to float32 here: to 0 (for
+        # 0 < temperature < 1.4e-45) or inf (above 3.4e38); 0/0 and -inf/inf are then fixed to 0 and -inf.
+        shifted = logits - logits.amax(dim=-1, keepdim=True)             # (B, V)
+        scaled = torch.where(shifted == 0, 0.0, torch.where(shifted == float("-inf"), float("-inf"),
+                                                            shifted / temperature))
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)  # (B, 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -974,6 +997,19 @@ def _describe(x) -> str:
     if isinstance(x, Tensor):
         return f"a {x.dtype} tensor of shape {shape_str(x.shape)}"
     return type(x).__name__
+
+
+def _check_temperature(value) -> float:
+    """A finite real number >= 0 (Python or NumPy), as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"temperature must be a float, got {_checks.type_name(value)}")
+    try:
+        t = float(value)
+    except OverflowError:                                                 # an int beyond float's range
+        t = math.inf
+    if not (t >= 0 and math.isfinite(t)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {value}")
+    return t
 
 
 def _check_count(value, name: str) -> int:

@@ -166,9 +166,9 @@ def test_generate_is_seeded_and_respects_top_k(attention):
 
 def test_generate_stops_at_max_len():
     model = _model("linear", max_len=16)
-    assert model.generate(_ids(1, 6), 11, temperature=0.0).shape == (1, 17)   # last position used: 15
+    assert model.generate(_ids(1, 6), 10, temperature=0.0).shape == (1, 16)   # max_len tokens in all
     with pytest.raises(ValueError, match="max_len"):
-        model.generate(_ids(1, 6), 12, temperature=0.0)
+        model.generate(_ids(1, 6), 11, temperature=0.0)
     with pytest.raises(ValueError, match="max_len"):
         model(_ids(1, 17))
 

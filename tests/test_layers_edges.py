@@ -357,3 +357,98 @@ def test_compiled_model_still_refuses_positions_past_max_len():
         _compiled(model)(_ids(2, 13))
     with pytest.raises(ValueError, match=r"the position of every token must be < max_len=12.*got 12 at index \(0, 12\)"):
         model(_ids(2, 13))
+
+
+# ---------------------------------------------------------------------------------------
+# generate: any temperature > 0, everything checked first, max_len exactly
+# ---------------------------------------------------------------------------------------
+
+
+def _sampling_probs(logits, temperature, top_k=None):
+    """Independent float64 reference: softmax of the (top-k cut) logits over temperature."""
+    logits = logits.double()
+    if top_k is not None:
+        kth = logits.sort(dim=-1, descending=True).values[:, top_k - 1:top_k]
+        logits = torch.where(logits >= kth, logits, -torch.inf)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-46, 5e-324, 1e-30, np.float64(1e-300)])
+def test_tiny_temperature_is_greedy_with_ties(temperature):
+    model = _model("softmax")
+    idx = _ids(3, 4)
+    greedy = model.generate(idx, 6, temperature=0.0)
+    out = model.generate(idx, 6, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, greedy)
+    tied = torch.tensor([[1.0, 3.0, 3.0, -2.0]]).expand(4000, 4)           # two most likely tokens, tied
+    draws = TransformerLM._pick(tied, temperature, None, torch.Generator().manual_seed(0))[:, 0]
+    counts = torch.bincount(draws, minlength=4)
+    assert counts[0] == counts[3] == 0 and abs(int(counts[1]) - 2000) < 200   # uniform among the ties
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1e-300, 2), (1e300, None), (1e300, 2), (0.7, 3), (50.0, None)])
+def test_sampling_draws_from_the_tempered_softmax(temperature, top_k):
+    """Frequencies of many draws agree with the float64 reference (huge temperatures: uniform)."""
+    logits = torch.tensor([[2.0, 0.5, -1.0, 1.5, 1.5]])
+    n = 20000
+    draws = TransformerLM._pick(logits.expand(n, 5), temperature, top_k, torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws[:, 0], minlength=5).double() / n
+    if temperature < 1e-200:                                               # the limit: the argmax
+        expected = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    else:
+        expected = _sampling_probs(logits, temperature, top_k)[0]
+    assert (freq - expected).abs().max() < 0.015, (freq, expected)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 3])
+def test_generate_checks_every_argument_first(max_new_tokens):
+    model = _model("linear", max_len=16)
+    idx = _ids(2, 5)
+    cases = [
+        (lambda: model.generate(idx[0], max_new_tokens), ValueError, r"idx must have shape \(batch, seq\).*got \(5\)"),
+        (lambda: model.generate(idx.tolist(), max_new_tokens), TypeError, r"idx must be an int64 .*got list"),
+        (lambda: model.generate(idx.int(), max_new_tokens), TypeError, r"idx must be an int64"),
+        (lambda: model.generate(torch.full((1, 3), VOCAB), max_new_tokens), ValueError,
+         r"idx must be a tensor of token ids in \[0, 29\), got 29"),
+        (lambda: model.generate(_ids(1, 17), max_new_tokens), ValueError, r"17 real tokens.*max_len=16"),
+        (lambda: model.generate(idx, max_new_tokens, attention_mask=torch.ones(2, 4, dtype=torch.bool)),
+         ValueError, r"attention_mask must have shape"),
+        (lambda: model.generate(idx, max_new_tokens, attention_mask=torch.tensor([[True] * 4 + [False]] * 2)),
+         ValueError, "left padding"),
+        (lambda: model.generate(idx, max_new_tokens, temperature=float("nan")), ValueError, "temperature"),
+        (lambda: model.generate(idx, max_new_tokens, temperature=10 ** 400), ValueError, "temperature"),
+        (lambda: model.generate(idx, max_new_tokens, temperature="hot"), TypeError, "temperature"),
+        (lambda: model.generate(idx, max_new_tokens, top_k=2.0), TypeError, "top_k"),
+        (lambda: model.generate(idx, max_new_tokens, generator=7), TypeError, r"generator must be a torch.Generator"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_generate_fills_exactly_max_len_and_its_output_is_a_valid_input():
+    model = _model("softmax", max_len=16)
+    prompts = [_ids(6, seed=1), _ids(3, seed=2)]
+    idx = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        idx[i, 6 - len(p):], mask[i, 6 - len(p):] = p, True
+    out = model.generate(idx, 10, temperature=0.0, attention_mask=mask)   # longest prompt 6 + 10 = max_len
+    assert out.shape == (2, 16)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=torch.bool)], dim=1)
+    with torch.no_grad():                                                  # positions 0 .. 15: all valid
+        greedy_again = model(out, attention_mask=full_mask)[:, 5:-1].argmax(-1)
+    assert torch.equal(greedy_again, out[:, 6:])                           # the output reproduces itself
+    with pytest.raises(ValueError, match=r"6 real tokens plus max_new_tokens=11 makes 17 tokens.*max_len=16"):
+        model.generate(idx, 11, temperature=0.0, attention_mask=mask)
+    assert torch.equal(model.generate(_ids(1, 16), 0), _ids(1, 16))        # a full prompt, nothing to add
+    with pytest.raises(ValueError, match=r"16 real tokens plus max_new_tokens=1"):
+        model.generate(_ids(1, 16), 1)
+
+
+def test_generate_returns_a_copy_of_the_prompt():
+    model = _model("linear")
+    idx = _ids(1, 4)
+    for n in (0, 2):
+        out = model.generate(idx, n, temperature=0.0)
+        assert out.untyped_storage().data_ptr() != idx.untyped_storage().data_ptr()
