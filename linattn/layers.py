@@ -2,7 +2,9 @@
 
 :class:`LinearAttention` (Katharopoulos et al., 2020) and :class:`SoftmaxAttention`
 (Vaswani et al., 2017) are drop-in replacements for each other: same constructor, same
-``forward(x, *, attention_mask, state, return_state)``. Both share key-value heads
+``forward(x, *, attention_mask, state, return_state)`` (batch first, self-attention, not
+causal unless ``causal=True``). :class:`LinearMultiheadAttention` is linear attention behind
+``nn.MultiheadAttention``'s call instead: ``(query, key, value) -> (output, None)``. Both share key-value heads
 between groups of query heads through ``n_kv_heads`` (multi-query attention,
 Shazeer 2019, when ``n_kv_heads=1``; grouped-query attention, Ainslie et al. 2023, in
 between). Both decode one token at a time from a ``state``: for linear attention the
@@ -36,6 +38,7 @@ from .recurrent import LinearAttentionState, linear_attention_step
 __all__ = [
     "KVCache",
     "LinearAttention",
+    "LinearMultiheadAttention",
     "SoftmaxAttention",
     "TransformerBlock",
     "TransformerConfig",
@@ -236,11 +239,12 @@ class _MultiHeadProjections(nn.Module):
                 f"head_dim={self.head_dim}, causal={self.causal}")
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        return q, k, v
+        return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+
+    def _heads(self, t: Tensor) -> Tensor:
+        """(B, T, n·head_dim) -> (B, n, T, head_dim)."""
+        B, T, _ = t.shape
+        return t.view(B, T, -1, self.head_dim).transpose(1, 2)                         # (B, H or H_kv, T, D)
 
     def _merge(self, y: Tensor) -> Tensor:
         B, _, T, _ = y.shape
@@ -269,6 +273,18 @@ class _MultiHeadProjections(nn.Module):
 
 class LinearAttention(_MultiHeadProjections):
     """Multi-head causal or non-causal linear attention (Katharopoulos et al., 2020).
+
+    Read this first (three defaults that surprise users of ``nn.MultiheadAttention``):
+
+    - **Not causal by default.** ``causal=False`` lets every token attend to every other,
+      later ones included. A language model, or anything that decodes token by token,
+      needs ``causal=True`` (:class:`TransformerLM` sets it).
+    - **Self-attention only.** ``forward(x)`` projects ``q``, ``k`` and ``v`` from the same
+      ``x`` and returns the output alone. It is not a drop-in for
+      ``nn.MultiheadAttention``, which takes ``(query, key, value)`` and returns
+      ``(output, weights)``: use :class:`LinearMultiheadAttention` for that call.
+    - **Batch first only.** ``x`` is ``(batch, seq, d_model)``; ``nn.MultiheadAttention``
+      defaults to ``(seq, batch, embed_dim)``. A 2-D (unbatched) ``x`` is refused.
 
     Per head, with ``q, k, v`` the projections of ``x`` and φ the feature map (eq. 5; eq. 9
     when causal, ``j <= i``)::
@@ -328,12 +344,7 @@ class LinearAttention(_MultiHeadProjections):
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False,
                  normalize: bool = True, eps: float = 1e-6, chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
-        normalize = _checks.check_bool(normalize, "normalize")
-        chunk_size = _checks.check_chunk_size(chunk_size)
-        eps = _checks.check_eps(eps, torch.float32)            # the rule of linear_attention for float32
-        self.feature_map = _build_feature_map(feature_map, self.head_dim)  # a module is registered
-        self.feature_map_name = feature_map if isinstance(feature_map, str) else None
-        self.normalize, self.eps, self.chunk_size = normalize, eps, chunk_size
+        _set_linear_options(self, feature_map, normalize, eps, chunk_size)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
@@ -350,8 +361,9 @@ class LinearAttention(_MultiHeadProjections):
             ``(B, T, d_model)``, in the parameters' dtype and on their device.
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name). Padded tokens add nothing to any output
-            or to the returned state (their own outputs are meaningless).
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Padded tokens add nothing to any output or to the returned state (their own
+            outputs are meaningless).
         state : LinearAttentionState, optional
             The state after earlier tokens: ``S`` ``(B, H_kv, M, head_dim)``, ``z``
             ``(B, H_kv, M)``, in the dtype this layer returns states in (float32, float64 for
@@ -454,6 +466,12 @@ class SoftmaxAttention(_MultiHeadProjections):
     as :class:`LinearAttention`; the decoding state is a :class:`KVCache` holding every
     earlier key and value, so its size and the cost of a step grow with the position.
 
+    As :class:`LinearAttention`: **not causal by default** (``causal=False`` sees the
+    future; pass ``causal=True`` for a language model), **self-attention only**
+    (``forward(x)`` returns the output alone; not a drop-in for ``nn.MultiheadAttention``,
+    which takes ``(query, key, value)`` and returns ``(output, weights)``), and **batch
+    first only** (``x`` is ``(batch, seq, d_model)``).
+
     Parameters
     ----------
     d_model : int
@@ -492,8 +510,9 @@ class SoftmaxAttention(_MultiHeadProjections):
             ``(B, T, d_model)``, in the parameters' dtype and on their device.
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); padded keys get zero weight, and a query
-            that sees no real key (left padding) outputs zeros.
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Padded keys get zero weight, and a query that sees no real key (left padding)
+            outputs zeros.
         state : KVCache, optional
             Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)`` in the dtype
             of ``x`` and on its device; checked at every call. When causal the tokens of
@@ -567,6 +586,160 @@ class SoftmaxAttention(_MultiHeadProjections):
         for name, t in (("state.k", state.k), ("state.v", state.v), ("state.attention_mask", state.attention_mask)):
             if t.device != x.device:
                 raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+class LinearMultiheadAttention(_MultiHeadProjections):
+    """Linear attention behind ``nn.MultiheadAttention``'s call (Katharopoulos et al., 2020).
+
+    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+    is_causal=False) -> (output, None)``, with PyTorch's meanings: ``key_padding_mask`` True
+    marks *padding*, ``is_causal=True`` (or ``attn_mask`` holding the causal mask) lets query
+    ``i`` see keys ``j <= i``. Per head it computes what :class:`LinearAttention` computes,
+    with ``q``, ``k``, ``v`` projected from ``query``, ``key`` and ``value`` (so it also does
+    cross-attention, ``Tq != Tk``, when not causal), through
+    :func:`linattn.linear_attention`.
+
+    What differs from ``nn.MultiheadAttention``, all refused loudly rather than ignored:
+
+    - **Batch first only**: ``batch_first=True`` must be passed (PyTorch's default,
+      ``False``, would read ``(seq, batch, embed)`` tensors the other way round), and the
+      inputs must be 3-D.
+    - **No attention weights**: linear attention never forms the ``Tq×Tk`` matrix (that is
+      what makes it linear), so ``need_weights`` defaults to False and True is refused; the
+      second output is always None.
+    - **No arbitrary attn_mask**: only the causal mask can be applied (as a bool mask, True =
+      masked, or a float mask, ``-inf`` above the diagonal and 0 elsewhere, such as
+      ``nn.Transformer.generate_square_subsequent_mask``); ``is_causal=True`` needs no mask.
+    - **No dropout, add_bias_kv, add_zero_attn, kdim, vdim**, and a bool
+      ``key_padding_mask`` only (a float, additive one has no linear-attention form).
+    - Different parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (as
+      :class:`LinearAttention`, whose ``state_dict`` it can load), not the packed
+      ``in_proj_weight``: PyTorch's saved weights do not load into it.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Width of the inputs and the output, divisible by ``num_heads``.
+    num_heads : int
+        Heads; ``head_dim = embed_dim // num_heads``.
+    batch_first : bool
+        Required, and must be True.
+    bias : bool
+        Biases in the four projections (default True, as in ``nn.MultiheadAttention``).
+    feature_map, normalize, eps, chunk_size
+        As in :class:`LinearAttention`.
+
+    Raises
+    ------
+    TypeError
+        A non-int size, a non-bool flag, a non-number ``eps``, a bad feature map.
+    ValueError
+        ``batch_first=False``; a size < 1; ``embed_dim`` not divisible by ``num_heads``;
+        ``eps`` not a normal positive float32 number; an unknown feature map name.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, batch_first: bool, bias: bool = True,
+                 feature_map: Union[str, FeatureMap, None] = "elu+1", normalize: bool = True, eps: float = 1e-6,
+                 chunk_size: int = 64) -> None:
+        if not _checks.check_bool(batch_first, "batch_first"):
+            raise ValueError("LinearMultiheadAttention is batch first only: pass batch_first=True and "
+                             "(batch, seq, embed_dim) tensors")
+        super().__init__(embed_dim, num_heads, None, False, bias)
+        _set_linear_options(self, feature_map, normalize, eps, chunk_size)
+        self.embed_dim, self.num_heads, self.batch_first = self.d_model, self.n_heads, True
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"batch_first=True, feature_map={self.feature_map_name or self.feature_map!r}")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
+                need_weights: bool = False, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False) -> tuple[Tensor, None]:
+        """Attend from ``query`` over ``key`` and ``value``; PyTorch's arguments and meanings.
+
+        Parameters
+        ----------
+        query : Tensor
+            ``(B, Tq, embed_dim)``, in the parameters' dtype and on their device.
+        key, value : Tensor
+            ``(B, Tk, embed_dim)`` each, same dtype and device.
+        key_padding_mask : Tensor, optional
+            ``(B, Tk)`` bool, True for **padding** (PyTorch's meaning, the opposite of
+            ``attention_mask`` elsewhere in linattn): padded keys add nothing.
+        need_weights : bool
+            Must be False (the weights are never formed).
+        attn_mask : Tensor, optional
+            None, or the ``(T, T)`` causal mask (bool, True above the diagonal; or float,
+            ``-inf`` above the diagonal and 0 elsewhere): it makes the attention causal.
+        is_causal : bool
+            Query ``i`` sees keys ``j <= i`` only; needs ``Tq == Tk``.
+
+        Returns
+        -------
+        output : Tensor
+            ``(B, Tq, embed_dim)``, dtype of ``query``.
+        weights : None
+            Always None.
+
+        Raises
+        ------
+        TypeError
+            Non-floating inputs or inputs not in the parameters' dtype; a non-bool
+            ``key_padding_mask``; a non-bool flag; an ``attn_mask`` that is not a tensor.
+        ValueError
+            Inputs that are not 3-D ``(B, T, embed_dim)``, empty, of different batch, or
+            ``key`` and ``value`` of different lengths; inputs not on the parameters' device;
+            a ``key_padding_mask`` that is not ``(B, Tk)``; ``need_weights=True``; an
+            ``attn_mask`` other than the causal mask; causal attention with ``Tq != Tk``.
+        """
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            self._check_sequence(t, name)
+        B, Tq, _ = query.shape
+        Tk = key.shape[1]
+        if key.shape[0] != B or value.shape[0] != B or value.shape[1] != Tk:
+            raise ValueError(f"query (B, Tq, E), key and value (B, Tk, E) must share B, and key and value Tk; got "
+                             f"query {shape_str(query.shape)}, key {shape_str(key.shape)}, value "
+                             f"{shape_str(value.shape)}")
+        if _checks.check_bool(need_weights, "need_weights"):
+            raise ValueError("need_weights=True: linear attention never forms the (Tq, Tk) attention weights "
+                             "(that is what makes it linear); pass need_weights=False (the weights returned are None)")
+        causal = _checks.check_bool(is_causal, "is_causal")
+        if attn_mask is not None:
+            if not _is_causal_mask(attn_mask, Tq, Tk):
+                raise ValueError(
+                    f"attn_mask must be None or the ({Tq}, {Tq}) causal mask (bool: True above the diagonal; float: "
+                    f"-inf above the diagonal, 0 elsewhere), got {_describe(attn_mask)}: linear attention "
+                    "cannot apply an arbitrary (Tq, Tk) mask, since it never forms the attention matrix")
+            causal = True
+        if causal and Tq != Tk:
+            raise ValueError(f"causal attention (is_causal=True or a causal attn_mask) needs as many queries as keys, "
+                             f"got Tq={Tq} and Tk={Tk}")
+        attention_mask = None
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, PyTorch's meaning); a "
+                                "float (additive) mask has no linear-attention form; got "
+                                f"{_describe(key_padding_mask)}")
+            attention_mask = ~_checks.attention_mask_as_bool(key_padding_mask, B, Tk, query.device,
+                                                             name="key_padding_mask")  # True = real token
+        q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
+        phi = self.feature_map
+        phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))         # (B, H, Tq, M), (B, H, Tk, M)
+        y = linear_attention(phi_q, phi_k, v, feature_map=None, causal=causal, normalize=self.normalize,
+                             eps=self.eps, chunk_size=self.chunk_size, attention_mask=attention_mask)  # (B, H, Tq, D)
+        return self._merge(y), None                                        # (B, Tq, embed_dim)
+
+    def _check_sequence(self, t, name: str) -> None:
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {_describe(t)}")
+        if t.dim() != 3 or t.shape[-1] != self.embed_dim or t.shape[0] == 0 or t.shape[1] == 0:
+            raise ValueError(f"{name} must have shape (batch, seq, embed_dim={self.embed_dim}) with batch, seq >= 1 "
+                             f"(batch first; unbatched inputs are not supported), got {shape_str(t.shape)}")
+        weight = self.q_proj.weight
+        if t.dtype != weight.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but the layer's parameters are {weight.dtype}")
+        if t.device != weight.device:
+            raise ValueError(f"{name} is on {t.device} but the layer's parameters are on {weight.device}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -774,8 +947,9 @@ class TransformerLM(nn.Module):
             ``(B, T)`` int64 token ids in ``[0, vocab_size)``.
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name). Positions count real tokens only, so a
-            left-padded prompt is processed exactly as the same prompt alone.
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Positions count real tokens only, so a left-padded prompt is processed exactly
+            as the same prompt alone.
         state : DecodingState, optional
             From an earlier call with ``return_state=True``: ``idx`` continues those sequences.
             Checked at every call, and each layer's state again by its attention layer.
@@ -997,6 +1171,29 @@ def _describe(x) -> str:
     if isinstance(x, Tensor):
         return f"a {x.dtype} tensor of shape {shape_str(x.shape)}"
     return type(x).__name__
+
+
+def _set_linear_options(layer: nn.Module, feature_map, normalize, eps, chunk_size) -> None:
+    """Check and store the options of linear attention on ``layer`` (after its sizes are set)."""
+    layer.normalize = _checks.check_bool(normalize, "normalize")
+    layer.chunk_size = _checks.check_chunk_size(chunk_size)
+    layer.eps = _checks.check_eps(eps, torch.float32)                    # linear_attention's rule for float32
+    layer.feature_map = _build_feature_map(feature_map, layer.head_dim)  # a module is registered
+    layer.feature_map_name = feature_map if isinstance(feature_map, str) else None
+
+
+def _is_causal_mask(mask, Tq: int, Tk: int) -> bool:
+    """``mask`` is PyTorch's causal attn_mask: (T, T) bool True above the diagonal, or float -inf there and 0 below."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {_checks.type_name(mask)}")
+    if Tq != Tk or tuple(mask.shape) != (Tq, Tk):
+        return False
+    future = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).triu(1)  # (T, T) keys after the query
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, future)
+    if mask.is_floating_point():
+        return torch.equal(mask == float("-inf"), future) and bool((mask[~future] == 0).all())
+    return False
 
 
 def _check_temperature(value) -> float:

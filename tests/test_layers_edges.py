@@ -355,7 +355,8 @@ def test_compiled_model_still_refuses_positions_past_max_len():
     model = TransformerLM(VOCAB, 16, 1, 2, attention="softmax", max_len=12).eval()
     with pytest.raises(RuntimeError, match=r"the position of every token must be < max_len=12"):
         _compiled(model)(_ids(2, 13))
-    with pytest.raises(ValueError, match=r"the position of every token must be < max_len=12.*got 12 at index \(0, 12\)"):
+    with pytest.raises(ValueError, match=r"the position of every token must be < max_len=12.*got 12 at "
+                                         r"index \(0, 12\)"):
         model(_ids(2, 13))
 
 
