@@ -3,13 +3,13 @@
 :class:`LinearAttention` (Katharopoulos et al., 2020) and :class:`SoftmaxAttention`
 (Vaswani et al., 2017) are drop-in replacements for each other: same constructor, same
 ``forward(x, *, attention_mask, state, return_state)`` (batch first, self-attention, not
-causal unless ``causal=True``). :class:`LinearMultiheadAttention` is linear attention behind
-``nn.MultiheadAttention``'s call instead: ``(query, key, value) -> (output, None)``. Both share key-value heads
-between groups of query heads through ``n_kv_heads`` (multi-query attention,
-Shazeer 2019, when ``n_kv_heads=1``; grouped-query attention, Ainslie et al. 2023, in
-between). Both decode one token at a time from a ``state``: for linear attention the
-fixed-size :class:`~linattn.LinearAttentionState`, for softmax attention a
-:class:`KVCache` that grows by one key and one value per token.
+causal unless ``causal=True``). Both share key-value heads between groups of query heads
+through ``n_kv_heads`` (multi-query attention, Shazeer 2019, when ``n_kv_heads=1``;
+grouped-query attention, Ainslie et al. 2023, in between). Both decode one token at a time
+from a ``state``: for linear attention the fixed-size :class:`~linattn.LinearAttentionState`,
+for softmax attention a :class:`KVCache` that grows by one key and one value per token.
+:class:`LinearMultiheadAttention` is linear attention behind ``nn.MultiheadAttention``'s
+call instead: ``(query, key, value) -> (output, None)``.
 
 :class:`TransformerBlock` (pre-norm, MLP) and :class:`TransformerLM` (token and learned
 absolute position embeddings, tied output layer, ``generate``) follow nanoGPT's GPT.
