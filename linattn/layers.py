@@ -670,7 +670,9 @@ class LinearMultiheadAttention(_MultiHeadProjections):
             Must be False (the weights are never formed).
         attn_mask : Tensor, optional
             None, or the ``(T, T)`` causal mask (bool, True above the diagonal; or float,
-            ``-inf`` above the diagonal and 0 elsewhere): it makes the attention causal.
+            ``-inf`` above the diagonal and 0 elsewhere): it makes the attention causal. It
+            is checked by value, which ``torch.compile(fullgraph=True)`` cannot trace: there
+            pass ``is_causal=True`` without a mask.
         is_causal : bool
             Query ``i`` sees keys ``j <= i`` only; needs ``Tq == Tk``.
 
