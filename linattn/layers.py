@@ -2,12 +2,14 @@
 
 :class:`LinearAttention` (Katharopoulos et al., 2020) and :class:`SoftmaxAttention`
 (Vaswani et al., 2017) are drop-in replacements for each other: same constructor, same
-``forward(x, *, attention_mask, state, return_state)``. Both share key-value heads
-between groups of query heads through ``n_kv_heads`` (multi-query attention,
-Shazeer 2019, when ``n_kv_heads=1``; grouped-query attention, Ainslie et al. 2023, in
-between). Both decode one token at a time from a ``state``: for linear attention the
-fixed-size :class:`~linattn.LinearAttentionState`, for softmax attention a
-:class:`KVCache` that grows by one key and one value per token.
+``forward(x, *, attention_mask, state, return_state)`` (batch first, self-attention, not
+causal unless ``causal=True``). Both share key-value heads between groups of query heads
+through ``n_kv_heads`` (multi-query attention, Shazeer 2019, when ``n_kv_heads=1``;
+grouped-query attention, Ainslie et al. 2023, in between). Both decode one token at a time
+from a ``state``: for linear attention the fixed-size :class:`~linattn.LinearAttentionState`,
+for softmax attention a :class:`KVCache` that grows by one key and one value per token.
+:class:`LinearMultiheadAttention` is linear attention behind ``nn.MultiheadAttention``'s
+call instead: ``(query, key, value) -> (output, None)``.
 
 :class:`TransformerBlock` (pre-norm, MLP) and :class:`TransformerLM` (token and learned
 absolute position embeddings, tied output layer, ``generate``) follow nanoGPT's GPT.
@@ -16,7 +18,9 @@ inside attention. Every module works on any device and floating dtype its parame
 """
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -28,12 +32,13 @@ from torch import Tensor
 from . import _checks
 from ._checks import shape_str
 from .attention import linear_attention
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import PARAMETRIC_FEATURE_MAPS, FeatureMap, get_feature_map, resolve_feature_map
 from .recurrent import LinearAttentionState, linear_attention_step
 
 __all__ = [
     "KVCache",
     "LinearAttention",
+    "LinearMultiheadAttention",
     "SoftmaxAttention",
     "TransformerBlock",
     "TransformerConfig",
@@ -50,7 +55,7 @@ ATTENTIONS = ("linear", "softmax")
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class KVCache:
     """The keys and values softmax attention keeps for decoding (one layer).
 
@@ -58,20 +63,28 @@ class KVCache:
     ----------
     k, v : Tensor
         ``(B, H_kv, T, head_dim)``, the keys and values of every token seen so far, per
-        key-value head (grouped heads are cached once, not once per query head).
+        key-value head (grouped heads are cached once, not once per query head); one
+        floating dtype and one device.
     attention_mask : Tensor
-        ``(B, T)`` bool, True for real tokens; cached padding is never attended to.
+        ``(B, T)`` bool, True for real tokens, on the device of ``k``; cached padding is
+        never attended to.
 
     Its size, ``2·B·H_kv·T·head_dim`` numbers, grows by one key and one value per token:
     decoding token ``t`` reads all ``t`` of them (Vaswani et al., 2017; the cache of
     Pope et al., 2023). Compare :class:`~linattn.LinearAttentionState`, whose size is fixed.
+    The checks run when the cache is built and again every time a layer uses it, so a cache
+    whose attributes were replaced afterwards is refused as well. ``a == b`` is a bool: True
+    when both are caches whose ``k``, ``v`` and masks have the same shapes, dtypes, devices and
+    values (``torch.equal``, so a NaN makes a cache unequal even to itself).
 
     Raises
     ------
     TypeError
-        If ``k`` or ``v`` is not a floating tensor, or the mask is not a bool tensor.
+        If ``k`` or ``v`` is not a floating tensor, ``k`` and ``v`` differ in dtype, or the
+        mask is not a bool tensor.
     ValueError
-        If ``k`` and ``v`` are not 4-D of one shape, or the mask is not ``(B, T)``.
+        If ``k`` and ``v`` are not 4-D of one shape, the mask is not ``(B, T)``, or the three
+        are not on one device.
     """
 
     k: Tensor
@@ -79,21 +92,15 @@ class KVCache:
     attention_mask: Tensor
 
     def __post_init__(self) -> None:
-        for name, t in (("state.k", self.k), ("state.v", self.v)):
-            if not isinstance(t, Tensor) or not t.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point torch.Tensor, got {_describe(t)}")
-            if t.dim() != 4:
-                raise ValueError(f"{name} must be 4-D (batch, kv_heads, seq, head_dim), got {shape_str(t.shape)}")
-        if self.k.shape != self.v.shape:
-            raise ValueError(f"state.k and state.v must have one shape, got {shape_str(self.k.shape)} "
-                             f"and {shape_str(self.v.shape)}")
-        m = self.attention_mask
-        if not isinstance(m, Tensor) or m.dtype != torch.bool:
-            raise TypeError(f"state.attention_mask must be a bool torch.Tensor, got {_describe(m)}")
-        expected = (self.k.shape[0], self.k.shape[2])
-        if tuple(m.shape) != expected:
-            raise ValueError(f"state.attention_mask must have shape (batch, seq) = {shape_str(expected)}, "
-                             f"got {shape_str(m.shape)}")
+        _check_kv_cache(self)
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same_tensor(a, b) for a, b in zip((self.k, self.v, self.attention_mask),
+                                                       (other.k, other.v, other.attention_mask)))
+
+    __hash__ = None                                                       # mutable, compared by value
 
     @property
     def seq_len(self) -> int:
@@ -106,7 +113,33 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.attention_mask))
 
 
-@dataclass
+def _check_kv_cache(cache: KVCache, name: str = "state") -> None:
+    """``cache`` holds k, v ``(B, H_kv, T, D)`` of one floating dtype and a ``(B, T)`` bool mask, on one device."""
+    for part in ("k", "v"):
+        t = getattr(cache, part)
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}.{part} must be a floating-point torch.Tensor, got {_describe(t)}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}.{part} must be 4-D (batch, kv_heads, seq, head_dim), got {shape_str(t.shape)}")
+    k, v, m = cache.k, cache.v, cache.attention_mask
+    if k.shape != v.shape:
+        raise ValueError(f"{name}.k and {name}.v must have one shape, got {shape_str(k.shape)} and "
+                         f"{shape_str(v.shape)}")
+    if k.dtype != v.dtype:
+        raise TypeError(f"{name}.k and {name}.v must have one dtype, got {k.dtype} and {v.dtype}")
+    if not isinstance(m, Tensor) or m.dtype != torch.bool:
+        raise TypeError(f"{name}.attention_mask must be a bool torch.Tensor, got {_describe(m)}")
+    expected = (k.shape[0], k.shape[2])
+    if tuple(m.shape) != expected:
+        raise ValueError(f"{name}.attention_mask must have shape (batch, seq) = {shape_str(expected)}, "
+                         f"got {shape_str(m.shape)}")
+    for part, t in (("v", v), ("attention_mask", m)):
+        if t.device != k.device:
+            raise ValueError(f"{name}.{part} is on {t.device} but {name}.k is on {k.device}; a KVCache "
+                             "lives on one device")
+
+
+@dataclass(eq=False)
 class DecodingState:
     """Everything :class:`TransformerLM` needs to continue a batch of sequences.
 
@@ -118,15 +151,59 @@ class DecodingState:
     positions : Tensor
         ``(B,)`` int64, the number of real (unpadded) tokens each sequence has seen, which
         is the position of its next token.
+
+    The checks run when the state is built and again every time the model uses it. ``a == b``
+    is a bool: True when both hold as many layer states, each equal to its partner by that
+    state's own ``==``, and equal positions (same shape, dtype, device and values).
+
+    Raises
+    ------
+    TypeError
+        If ``layers`` is not a list or tuple of layer states, or ``positions`` is not an
+        int64 tensor.
+    ValueError
+        If ``positions`` is not 1-D.
     """
 
     layers: list
     positions: Tensor
 
+    def __post_init__(self) -> None:
+        _check_decoding_state(self)
+
+    def __eq__(self, other) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        if len(self.layers) != len(other.layers) or not _same_tensor(self.positions, other.positions):
+            return False
+        return all(type(a) is type(b) and bool(a == b) for a, b in zip(self.layers, other.layers))
+
+    __hash__ = None
+
     @property
     def nbytes(self) -> int:
         """Memory held by all layers' states and the positions, in bytes."""
         return sum(s.nbytes for s in self.layers) + self.positions.numel() * self.positions.element_size()
+
+
+def _same_tensor(a, b) -> bool:
+    """Same shape, dtype, device and values (False for anything that is not a pair of tensors)."""
+    return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device and torch.equal(a, b))
+
+
+def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
+    layers = state.layers
+    if not isinstance(layers, (list, tuple)):
+        raise TypeError(f"{name}.layers must be a list of layer states (one per block), got {_describe(layers)}")
+    for i, s in enumerate(layers):
+        if not isinstance(s, (LinearAttentionState, KVCache)):
+            raise TypeError(f"{name}.layers[{i}] must be a LinearAttentionState or a KVCache, got {_describe(s)}")
+    p = state.positions
+    if not isinstance(p, Tensor) or p.dtype != torch.long:
+        raise TypeError(f"{name}.positions must be an int64 tensor of shape (batch,), got {_describe(p)}")
+    if p.dim() != 1:
+        raise ValueError(f"{name}.positions must have shape (batch,), got {shape_str(p.shape)}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,18 +216,16 @@ class _MultiHeadProjections(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: Optional[int], causal: bool, bias: bool) -> None:
         super().__init__()
-        _check_int(d_model, "d_model")
-        _check_int(n_heads, "n_heads")
-        if n_kv_heads is None:
-            n_kv_heads = n_heads
-        _check_int(n_kv_heads, "n_kv_heads")
+        d_model = _checks.check_positive_int(d_model, "d_model")
+        n_heads = _checks.check_positive_int(n_heads, "n_heads")
+        n_kv_heads = n_heads if n_kv_heads is None else _checks.check_positive_int(n_kv_heads, "n_kv_heads")
         if d_model % n_heads:
             raise ValueError(f"d_model must be divisible by n_heads, got d_model={d_model} and n_heads={n_heads}")
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads must be divisible by n_kv_heads, got n_heads={n_heads} and "
                              f"n_kv_heads={n_kv_heads}")
-        _check_bool(causal, "causal")
-        _check_bool(bias, "bias")
+        causal = _checks.check_bool(causal, "causal")
+        bias = _checks.check_bool(bias, "bias")
         self.d_model, self.n_heads, self.n_kv_heads, self.causal = d_model, n_heads, n_kv_heads, causal
         self.head_dim = d_model // n_heads
         self.group_size = n_heads // n_kv_heads                   # query heads per key-value head
@@ -164,11 +239,12 @@ class _MultiHeadProjections(nn.Module):
                 f"head_dim={self.head_dim}, causal={self.causal}")
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, H_kv, T, D)
-        return q, k, v
+        return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+
+    def _heads(self, t: Tensor) -> Tensor:
+        """(B, T, n·head_dim) -> (B, n, T, head_dim)."""
+        B, T, _ = t.shape
+        return t.view(B, T, -1, self.head_dim).transpose(1, 2)                         # (B, H or H_kv, T, D)
 
     def _merge(self, y: Tensor) -> Tensor:
         B, _, T, _ = y.shape
@@ -178,8 +254,9 @@ class _MultiHeadProjections(nn.Module):
         """(B, H_kv, T, ...) -> (B, H, T, ...): query head ``h`` uses key-value head ``h // group_size``."""
         return t if self.group_size == 1 else t.repeat_interleave(self.group_size, dim=1)
 
-    def _check_inputs(self, x, attention_mask, return_state) -> Optional[Tensor]:
-        """Check the arguments of ``forward``; returns the attention mask as bool (or None)."""
+    def _check_inputs(self, x, attention_mask, return_state) -> tuple[Optional[Tensor], bool]:
+        """Check the arguments of ``forward``; returns the attention mask as bool (or None) and
+        ``return_state`` as a Python bool."""
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point torch.Tensor, got {_describe(x)}")
         if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[0] == 0 or x.shape[1] == 0:
@@ -190,12 +267,24 @@ class _MultiHeadProjections(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
         if x.device != weight.device:
             raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
-        _check_bool(return_state, "return_state")
-        return _check_attention_mask(attention_mask, x.shape[0], x.shape[1], x.device)
+        return_state = _checks.check_bool(return_state, "return_state")
+        return _check_attention_mask(attention_mask, x.shape[0], x.shape[1], x.device), return_state
 
 
 class LinearAttention(_MultiHeadProjections):
     """Multi-head causal or non-causal linear attention (Katharopoulos et al., 2020).
+
+    Read this first (three defaults that surprise users of ``nn.MultiheadAttention``):
+
+    - **Not causal by default.** ``causal=False`` lets every token attend to every other,
+      later ones included. A language model, or anything that decodes token by token,
+      needs ``causal=True`` (:class:`TransformerLM` sets it).
+    - **Self-attention only.** ``forward(x)`` projects ``q``, ``k`` and ``v`` from the same
+      ``x`` and returns the output alone. It is not a drop-in for
+      ``nn.MultiheadAttention``, which takes ``(query, key, value)`` and returns
+      ``(output, weights)``: use :class:`LinearMultiheadAttention` for that call.
+    - **Batch first only.** ``x`` is ``(batch, seq, d_model)``; ``nn.MultiheadAttention``
+      defaults to ``(seq, batch, embed_dim)``. A 2-D (unbatched) ``x`` is refused.
 
     Per head, with ``q, k, v`` the projections of ``x`` and φ the feature map (eq. 5; eq. 9
     when causal, ``j <= i``)::
@@ -221,17 +310,24 @@ class LinearAttention(_MultiHeadProjections):
     feature_map : str or callable or None
         φ, as in :func:`linattn.linear_attention`: a name (default ``"elu+1"``), a callable
         ``(..., head_dim) -> (..., M)`` (an ``nn.Module`` is registered, so learnable maps
-        train), or None (q and k used as features).
+        train), or None (q and k used as features). A name of a map that needs the head
+        dimension (``"hedgehog"``, ``"performer"``) is built with this layer's ``head_dim``;
+        for other options build the map yourself (:func:`linattn.get_feature_map`).
     causal : bool
         Token ``i`` attends to tokens ``j <= i`` only. Needed for decoding.
     normalize : bool
         Divide by the normaliser ``φ(q_i)ᵀz_i`` (True) or not.
     eps : float
-        Lower bound on the normaliser.
+        Lower bound on the normaliser. It must be a normal float32 number
+        (``1.18e-38 <= eps <= 3.4e38``): the layer computes in float32 for every dtype but
+        float64 (as :func:`linattn.linear_attention` does), and checks it once, here.
     chunk_size : int
         Chunk length of the causal chunkwise algorithm.
     bias : bool
         Biases in the four projections.
+
+    Sizes may be Python or NumPy integers and flags Python or NumPy bools; they are stored
+    as Python ``int`` and ``bool``.
 
     Raises
     ------
@@ -240,22 +336,15 @@ class LinearAttention(_MultiHeadProjections):
         name, a callable nor None.
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
-        ``n_kv_heads``, ``eps <= 0``, an unknown feature map name.
+        ``n_kv_heads``, ``eps`` not a normal positive float32 number, an unknown feature map
+        name.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False,
                  normalize: bool = True, eps: float = 1e-6, chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
-        _check_bool(normalize, "normalize")
-        _check_int(chunk_size, "chunk_size")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-        if not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be a positive finite number, got {eps}")
-        self.feature_map = resolve_feature_map(feature_map)   # a module is registered as a submodule
-        self.feature_map_name = feature_map if isinstance(feature_map, str) else None
-        self.normalize, self.eps, self.chunk_size = normalize, float(eps), chunk_size
+        _set_linear_options(self, feature_map, normalize, eps, chunk_size)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
@@ -272,12 +361,15 @@ class LinearAttention(_MultiHeadProjections):
             ``(B, T, d_model)``, in the parameters' dtype and on their device.
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name). Padded tokens add nothing to any output
-            or to the returned state (their own outputs are meaningless).
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Padded tokens add nothing to any output or to the returned state (their own
+            outputs are meaningless).
         state : LinearAttentionState, optional
             The state after earlier tokens: ``S`` ``(B, H_kv, M, head_dim)``, ``z``
-            ``(B, H_kv, M)``. The tokens of ``x`` come after them. Not with a feature map
-            marked ``position_dependent`` (cosFormer): the state does not record the position.
+            ``(B, H_kv, M)``, in the dtype this layer returns states in (float32, float64 for
+            float64 ``x``) and on the device of ``x``; checked at every call. The tokens of
+            ``x`` come after them. Not with a feature map marked ``position_dependent``
+            (cosFormer): the state does not record the position.
         return_state : bool
             Also return the state after the last token of ``x``.
 
@@ -287,19 +379,22 @@ class LinearAttention(_MultiHeadProjections):
             ``(B, T, d_model)``, dtype of ``x``.
         state : LinearAttentionState
             Only if ``return_state``: float32 (float64 for float64 inputs), its size
-            independent of how many tokens it summarises.
+            independent of how many tokens it summarises. A new object whose tensors share
+            no memory with ``x``, the mask or the ``state`` passed in.
 
         Raises
         ------
         TypeError
             ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
-            flag; a ``state`` that is not a ``LinearAttentionState``.
+            flag; a ``state`` that is not a ``LinearAttentionState``, or whose ``S`` or ``z`` is
+            not a floating tensor or not in the state dtype above.
         ValueError
-            ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a state whose
-            shapes do not match ``(B, H_kv, M, head_dim)``; a state with a position-dependent
-            feature map.
+            ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
+            ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
+            a state whose shapes do not match ``(B, H_kv, M, head_dim)`` or that is not on the
+            device of ``x``; a state with a position-dependent feature map.
         """
-        attention_mask = self._check_inputs(x, attention_mask, return_state)
+        attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         phi = self.feature_map
         if state is not None and getattr(phi, "position_dependent", False):
             raise ValueError(
@@ -327,19 +422,27 @@ class LinearAttention(_MultiHeadProjections):
         return (y, self._shrink_state(state)) if return_state else y
 
     def _check_state(self, state, x: Tensor, feature_dim: int) -> None:
+        """Checked at every use (not only when the state was built: its attributes may have been replaced)."""
         if state is None:
             return
         if not isinstance(state, LinearAttentionState):
             raise TypeError(f"state must be a LinearAttentionState (or None) for LinearAttention, "
                             f"got {type(state).__name__}")
+        _checks.check_tensor(state.S, "state.S", 4, "(batch, n_kv_heads, M, head_dim)")
+        _checks.check_tensor(state.z, "state.z", 3, "(batch, n_kv_heads, M)")
         expected = (x.shape[0], self.n_kv_heads, feature_dim, self.head_dim)
         if tuple(state.S.shape) != expected or tuple(state.z.shape) != expected[:3]:
             raise ValueError(
                 f"state must have S of shape (batch, n_kv_heads, M, head_dim) = {shape_str(expected)} and "
                 f"z of shape {shape_str(expected[:3])}, got S {shape_str(state.S.shape)} and z "
                 f"{shape_str(state.z.shape)}")
-        if state.S.device != x.device:
-            raise ValueError(f"state is on {state.S.device} but x is on {x.device}")
+        acc = _checks.accumulation_dtype(x.dtype)
+        for name, t in (("state.S", state.S), ("state.z", state.z)):
+            if t.dtype != acc:
+                raise TypeError(f"{name} is {t.dtype} but a layer fed {x.dtype} keeps its state in {acc} "
+                                "(the dtype of the states it returns)")
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
     def _expand_state(self, state: Optional[LinearAttentionState]) -> Optional[LinearAttentionState]:
         if state is None or self.group_size == 1:
@@ -362,6 +465,12 @@ class SoftmaxAttention(_MultiHeadProjections):
     ``torch.nn.functional.scaled_dot_product_attention``. Same constructor and ``forward``
     as :class:`LinearAttention`; the decoding state is a :class:`KVCache` holding every
     earlier key and value, so its size and the cost of a step grow with the position.
+
+    As :class:`LinearAttention`: **not causal by default** (``causal=False`` sees the
+    future; pass ``causal=True`` for a language model), **self-attention only**
+    (``forward(x)`` returns the output alone; not a drop-in for ``nn.MultiheadAttention``,
+    which takes ``(query, key, value)`` and returns ``(output, weights)``), and **batch
+    first only** (``x`` is ``(batch, seq, d_model)``).
 
     Parameters
     ----------
@@ -401,11 +510,13 @@ class SoftmaxAttention(_MultiHeadProjections):
             ``(B, T, d_model)``, in the parameters' dtype and on their device.
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); padded keys get zero weight, and a query
-            that sees no real key (left padding) outputs zeros.
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Padded keys get zero weight, and a query that sees no real key (left padding)
+            outputs zeros.
         state : KVCache, optional
-            Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)``; when causal
-            the tokens of ``x`` sit at positions ``T_cache, ..., T_cache + T - 1``.
+            Keys and values of earlier tokens, ``(B, H_kv, T_cache, head_dim)`` in the dtype
+            of ``x`` and on its device; checked at every call. When causal the tokens of
+            ``x`` sit at positions ``T_cache, ..., T_cache + T - 1``.
         return_state : bool
             Also return the cache extended by the tokens of ``x``.
 
@@ -414,22 +525,27 @@ class SoftmaxAttention(_MultiHeadProjections):
         y : Tensor
             ``(B, T, d_model)``, dtype of ``x``.
         state : KVCache
-            Only if ``return_state``: ``T_cache + T`` tokens, in the dtype of ``x``.
+            Only if ``return_state``: ``T_cache + T`` tokens, in the dtype of ``x``; a new
+            cache whose tensors share no memory with ``x``, the mask or the cache passed in.
 
         Raises
         ------
         TypeError
             ``x`` not a floating tensor or not in the parameters' dtype; a non-bool mask or
-            flag; a ``state`` that is not a ``KVCache``.
+            flag; a ``state`` that is not a ``KVCache``, or one that no longer passes the
+            checks of :class:`KVCache`, or holds keys of another dtype than ``x``.
         ValueError
-            ``x`` not ``(B, T, d_model)``; a mask that is not ``(B, T)``; a cache whose
-            shape or dtype does not match.
+            ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
+            ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
+            a cache whose shapes do not match the layer or each other, or whose ``k``, ``v``
+            or mask is not on the device of ``x`` (the message names which).
         """
-        attention_mask = self._check_inputs(x, attention_mask, return_state)
+        attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         self._check_state(state, x)
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
-        mask = attention_mask if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
+        # the returned cache owns its memory: never the caller's mask itself
+        mask = attention_mask.clone() if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
         if state is not None:
             k = torch.cat([state.k, k], dim=2)                            # (B, H_kv, P + T, D)
             v = torch.cat([state.v, v], dim=2)
@@ -454,10 +570,12 @@ class SoftmaxAttention(_MultiHeadProjections):
         return allowed | empty, empty                                     # no -inf-only rows: no NaN
 
     def _check_state(self, state, x: Tensor) -> None:
+        """Checked at every use (not only when the cache was built: its attributes may have been replaced)."""
         if state is None:
             return
         if not isinstance(state, KVCache):
             raise TypeError(f"state must be a KVCache (or None) for SoftmaxAttention, got {type(state).__name__}")
+        _check_kv_cache(state)
         B, Hkv, _, D = state.k.shape
         if (B, Hkv, D) != (x.shape[0], self.n_kv_heads, self.head_dim):
             raise ValueError(
@@ -465,8 +583,165 @@ class SoftmaxAttention(_MultiHeadProjections):
                 f"head_dim={self.head_dim}), got {shape_str(state.k.shape)}")
         if state.k.dtype != x.dtype:
             raise TypeError(f"state holds {state.k.dtype} keys but x is {x.dtype}")
-        if state.k.device != x.device or state.attention_mask.device != x.device:
-            raise ValueError(f"state is on {state.k.device} but x is on {x.device}")
+        for name, t in (("state.k", state.k), ("state.v", state.v), ("state.attention_mask", state.attention_mask)):
+            if t.device != x.device:
+                raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+class LinearMultiheadAttention(_MultiHeadProjections):
+    """Linear attention behind ``nn.MultiheadAttention``'s call (Katharopoulos et al., 2020).
+
+    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+    is_causal=False) -> (output, None)``, with PyTorch's meanings: ``key_padding_mask`` True
+    marks *padding*, ``is_causal=True`` (or ``attn_mask`` holding the causal mask) lets query
+    ``i`` see keys ``j <= i``. Per head it computes what :class:`LinearAttention` computes,
+    with ``q``, ``k``, ``v`` projected from ``query``, ``key`` and ``value`` (so it also does
+    cross-attention, ``Tq != Tk``, when not causal), through
+    :func:`linattn.linear_attention`.
+
+    What differs from ``nn.MultiheadAttention``, all refused loudly rather than ignored:
+
+    - **Batch first only**: ``batch_first=True`` must be passed (PyTorch's default,
+      ``False``, would read ``(seq, batch, embed)`` tensors the other way round), and the
+      inputs must be 3-D.
+    - **No attention weights**: linear attention never forms the ``Tq×Tk`` matrix (that is
+      what makes it linear), so ``need_weights`` defaults to False and True is refused; the
+      second output is always None.
+    - **No arbitrary attn_mask**: only the causal mask can be applied (as a bool mask, True =
+      masked, or a float mask, ``-inf`` above the diagonal and 0 elsewhere, such as
+      ``nn.Transformer.generate_square_subsequent_mask``); ``is_causal=True`` needs no mask.
+    - **No dropout, add_bias_kv, add_zero_attn, kdim, vdim**, and a bool
+      ``key_padding_mask`` only (a float, additive one has no linear-attention form).
+    - Different parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (as
+      :class:`LinearAttention`, whose ``state_dict`` it can load), not the packed
+      ``in_proj_weight``: PyTorch's saved weights do not load into it.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Width of the inputs and the output, divisible by ``num_heads``.
+    num_heads : int
+        Heads; ``head_dim = embed_dim // num_heads``.
+    batch_first : bool
+        Required, and must be True.
+    bias : bool
+        Biases in the four projections (default True, as in ``nn.MultiheadAttention``).
+    feature_map, normalize, eps, chunk_size
+        As in :class:`LinearAttention`.
+
+    Raises
+    ------
+    TypeError
+        A non-int size, a non-bool flag, a non-number ``eps``, a bad feature map.
+    ValueError
+        ``batch_first=False``; a size < 1; ``embed_dim`` not divisible by ``num_heads``;
+        ``eps`` not a normal positive float32 number; an unknown feature map name.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, batch_first: bool, bias: bool = True,
+                 feature_map: Union[str, FeatureMap, None] = "elu+1", normalize: bool = True, eps: float = 1e-6,
+                 chunk_size: int = 64) -> None:
+        if not _checks.check_bool(batch_first, "batch_first"):
+            raise ValueError("LinearMultiheadAttention is batch first only: pass batch_first=True and "
+                             "(batch, seq, embed_dim) tensors")
+        super().__init__(embed_dim, num_heads, None, False, bias)
+        _set_linear_options(self, feature_map, normalize, eps, chunk_size)
+        self.embed_dim, self.num_heads, self.batch_first = self.d_model, self.n_heads, True
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"batch_first=True, feature_map={self.feature_map_name or self.feature_map!r}")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
+                need_weights: bool = False, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False) -> tuple[Tensor, None]:
+        """Attend from ``query`` over ``key`` and ``value``; PyTorch's arguments and meanings.
+
+        Parameters
+        ----------
+        query : Tensor
+            ``(B, Tq, embed_dim)``, in the parameters' dtype and on their device.
+        key, value : Tensor
+            ``(B, Tk, embed_dim)`` each, same dtype and device.
+        key_padding_mask : Tensor, optional
+            ``(B, Tk)`` bool, True for **padding** (PyTorch's meaning, the opposite of
+            ``attention_mask`` elsewhere in linattn): padded keys add nothing.
+        need_weights : bool
+            Must be False (the weights are never formed).
+        attn_mask : Tensor, optional
+            None, or the ``(T, T)`` causal mask (bool, True above the diagonal; or float,
+            ``-inf`` above the diagonal and 0 elsewhere): it makes the attention causal. It
+            is checked by value, which ``torch.compile(fullgraph=True)`` cannot trace: there
+            pass ``is_causal=True`` without a mask.
+        is_causal : bool
+            Query ``i`` sees keys ``j <= i`` only; needs ``Tq == Tk``.
+
+        Returns
+        -------
+        output : Tensor
+            ``(B, Tq, embed_dim)``, dtype of ``query``.
+        weights : None
+            Always None.
+
+        Raises
+        ------
+        TypeError
+            Non-floating inputs or inputs not in the parameters' dtype; a non-bool
+            ``key_padding_mask``; a non-bool flag; an ``attn_mask`` that is not a tensor.
+        ValueError
+            Inputs that are not 3-D ``(B, T, embed_dim)``, empty, of different batch, or
+            ``key`` and ``value`` of different lengths; inputs not on the parameters' device;
+            a ``key_padding_mask`` that is not ``(B, Tk)``; ``need_weights=True``; an
+            ``attn_mask`` other than the causal mask; causal attention with ``Tq != Tk``.
+        """
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            self._check_sequence(t, name)
+        B, Tq, _ = query.shape
+        Tk = key.shape[1]
+        if key.shape[0] != B or value.shape[0] != B or value.shape[1] != Tk:
+            raise ValueError(f"query (B, Tq, E), key and value (B, Tk, E) must share B, and key and value Tk; got "
+                             f"query {shape_str(query.shape)}, key {shape_str(key.shape)}, value "
+                             f"{shape_str(value.shape)}")
+        if _checks.check_bool(need_weights, "need_weights"):
+            raise ValueError("need_weights=True: linear attention never forms the (Tq, Tk) attention weights "
+                             "(that is what makes it linear); pass need_weights=False (the weights returned are None)")
+        causal = _checks.check_bool(is_causal, "is_causal")
+        if attn_mask is not None:
+            if not _is_causal_mask(attn_mask, Tq, Tk):
+                raise ValueError(
+                    f"attn_mask must be None or the ({Tq}, {Tq}) causal mask (bool: True above the diagonal; float: "
+                    f"-inf above the diagonal, 0 elsewhere), got {_describe(attn_mask)}: linear attention "
+                    "cannot apply an arbitrary (Tq, Tk) mask, since it never forms the attention matrix")
+            causal = True
+        if causal and Tq != Tk:
+            raise ValueError(f"causal attention (is_causal=True or a causal attn_mask) needs as many queries as keys, "
+                             f"got Tq={Tq} and Tk={Tk}")
+        attention_mask = None
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, PyTorch's meaning); a "
+                                "float (additive) mask has no linear-attention form; got "
+                                f"{_describe(key_padding_mask)}")
+            attention_mask = ~_checks.attention_mask_as_bool(key_padding_mask, B, Tk, query.device,
+                                                             name="key_padding_mask")  # True = real token
+        q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
+        phi = self.feature_map
+        phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))         # (B, H, Tq, M), (B, H, Tk, M)
+        y = linear_attention(phi_q, phi_k, v, feature_map=None, causal=causal, normalize=self.normalize,
+                             eps=self.eps, chunk_size=self.chunk_size, attention_mask=attention_mask)  # (B, H, Tq, D)
+        return self._merge(y), None                                        # (B, Tq, embed_dim)
+
+    def _check_sequence(self, t, name: str) -> None:
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {_describe(t)}")
+        if t.dim() != 3 or t.shape[-1] != self.embed_dim or t.shape[0] == 0 or t.shape[1] == 0:
+            raise ValueError(f"{name} must have shape (batch, seq, embed_dim={self.embed_dim}) with batch, seq >= 1 "
+                             f"(batch first; unbatched inputs are not supported), got {shape_str(t.shape)}")
+        weight = self.q_proj.weight
+        if t.dtype != weight.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but the layer's parameters are {weight.dtype}")
+        if t.device != weight.device:
+            raise ValueError(f"{name} is on {t.device} but the layer's parameters are on {weight.device}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -515,15 +790,17 @@ class TransformerBlock(nn.Module):
 
     Raises
     ------
-    TypeError, ValueError
-        As the attention layers, plus an unknown ``attention`` or a bad ``mlp_ratio``.
+    TypeError
+        As the attention layers, plus a non-str ``attention`` or a non-integer ``mlp_ratio``.
+    ValueError
+        As the attention layers, plus an unknown ``attention`` or ``mlp_ratio < 1``.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None, attention: str = "linear",
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False, mlp_ratio: int = 4,
                  chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__()
-        _check_int(mlp_ratio, "mlp_ratio")
+        mlp_ratio = _checks.check_positive_int(mlp_ratio, "mlp_ratio")
         self.ln_1 = nn.LayerNorm(d_model)
         self.attn = _make_attention(attention, d_model, n_heads, n_kv_heads=n_kv_heads, feature_map=feature_map,
                                     causal=causal, chunk_size=chunk_size, bias=bias)
@@ -596,7 +873,9 @@ class TransformerLM(nn.Module):
     attention : str
         ``"linear"`` or ``"softmax"``.
     feature_map : str or callable
-        φ of linear attention (default ``"elu+1"``); one callable object is shared by all blocks.
+        φ of linear attention (default ``"elu+1"``). One callable object is shared by all
+        blocks; a name builds one map per block (with the blocks' ``head_dim`` for
+        ``"hedgehog"`` and ``"performer"``).
     max_len : int
         Number of learned positions: a sequence (prompt plus generated tokens) may have
         at most ``max_len`` real tokens.
@@ -611,10 +890,16 @@ class TransformerLM(nn.Module):
     ----------
     config : TransformerConfig
 
+    Sizes may be Python or NumPy integers (stored in ``config`` as Python ints).
+
     Raises
     ------
-    TypeError, ValueError
-        A bad hyper-parameter, named in the message.
+    TypeError
+        A size that is not an integer, a ``bias`` that is not a bool, an ``attention`` that
+        is not a str, a ``feature_map`` that is neither a name, a callable nor None.
+    ValueError
+        A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
+        ``n_kv_heads``, an unknown ``attention`` or feature map name.
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *,
@@ -622,8 +907,13 @@ class TransformerLM(nn.Module):
                  feature_map: Union[str, FeatureMap, None] = "elu+1", max_len: int = 256, mlp_ratio: int = 4,
                  chunk_size: int = 64, bias: bool = False) -> None:
         super().__init__()
-        for value, name in ((vocab_size, "vocab_size"), (n_layers, "n_layers"), (max_len, "max_len")):
-            _check_int(value, name)
+        vocab_size, d_model, n_layers, n_heads, max_len, mlp_ratio, chunk_size = (
+            _checks.check_positive_int(value, name) for value, name in (
+                (vocab_size, "vocab_size"), (d_model, "d_model"), (n_layers, "n_layers"), (n_heads, "n_heads"),
+                (max_len, "max_len"), (mlp_ratio, "mlp_ratio"), (chunk_size, "chunk_size")))
+        if n_kv_heads is not None:
+            n_kv_heads = _checks.check_positive_int(n_kv_heads, "n_kv_heads")
+        bias = _checks.check_bool(bias, "bias")                            # the config holds Python ints
         self.config = TransformerConfig(vocab_size, d_model, n_layers, n_heads, n_kv_heads, attention, feature_map,
                                         max_len, mlp_ratio, chunk_size, bias)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
@@ -659,10 +949,12 @@ class TransformerLM(nn.Module):
             ``(B, T)`` int64 token ids in ``[0, vocab_size)``.
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name). Positions count real tokens only, so a
-            left-padded prompt is processed exactly as the same prompt alone.
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Positions count real tokens only, so a left-padded prompt is processed exactly
+            as the same prompt alone.
         state : DecodingState, optional
             From an earlier call with ``return_state=True``: ``idx`` continues those sequences.
+            Checked at every call, and each layer's state again by its attention layer.
         return_state : bool
             Also return the state after ``idx``.
 
@@ -671,35 +963,35 @@ class TransformerLM(nn.Module):
         logits : Tensor
             ``(B, T, vocab_size)`` in the parameters' dtype (meaningless at padded positions).
         state : DecodingState
-            Only if ``return_state``.
+            Only if ``return_state``: a new state sharing no memory with the inputs.
 
         Raises
         ------
         TypeError
             ``idx`` not an int64 tensor; a non-bool mask; a ``state`` that is not a
-            ``DecodingState`` or holds the wrong kind of layer state.
+            ``DecodingState``, holds the wrong kind of layer state for a block (or None), or
+            has positions that are not an int64 tensor.
         ValueError
-            ``idx`` not 2-D or with ids out of range; a mask not ``(B, T)``; a state for a
-            different batch or number of layers; a position ``>= max_len``.
+            ``idx`` not 2-D, empty (``B`` or ``T`` = 0) or with ids out of range; a mask not
+            ``(B, T)``; a state for a different batch or number of layers, with negative
+            positions or positions on another device; a position ``>= max_len``.
+        RuntimeError
+            Under ``torch.compile`` (which traces ``forward`` into one graph, no breaks), ids
+            out of range, positions ``>= max_len`` and non-0/1 integer masks are checked inside
+            the graph (``torch._assert_async``) and raise this instead of the ValueError.
         """
         cfg = self.config
-        if not isinstance(idx, Tensor) or idx.dtype != torch.long:
-            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {_describe(idx)}")
-        if idx.dim() != 2 or idx.shape[0] == 0 or idx.shape[1] == 0:
-            raise ValueError(f"idx must have shape (batch, seq) with batch, seq >= 1, got {shape_str(idx.shape)}")
+        self._check_idx(idx)
         B, T = idx.shape
-        if int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size:
-            raise ValueError(f"idx must hold token ids in [0, {cfg.vocab_size}), got values in "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
         attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
-        _check_bool(return_state, "return_state")
+        return_state = _checks.check_bool(return_state, "return_state")
         start = self._check_state(state, B, idx.device)                   # (B,)
         steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if attention_mask is None
                  else attention_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
         pos = (start[:, None] + steps - 1).clamp_min(0)                   # (B, T) padding before a prompt: 0
-        if int(pos.max()) >= cfg.max_len:
-            raise ValueError(f"a sequence reached position {int(pos.max())} but the model has max_len="
-                             f"{cfg.max_len} learned positions")
+        _checks.check_values(pos < cfg.max_len, "the position of every token",
+                             f"< max_len={cfg.max_len} (the model's learned positions: a sequence holds at most "
+                             f"{cfg.max_len} real tokens, earlier ones in state included)", pos)
         x = self.tok_emb(idx) + self.pos_emb(pos)                         # (B, T, d_model)
         layer_states = []
         for i, block in enumerate(self.blocks):
@@ -712,20 +1004,43 @@ class TransformerLM(nn.Module):
             return logits
         return logits, DecodingState(layer_states, start + steps[:, -1])
 
+    def _check_idx(self, idx) -> None:
+        """``idx`` is a ``(B, T)`` int64 tensor of ids on the model's device (as a graph-safe value check)."""
+        V = self.config.vocab_size
+        if not isinstance(idx, Tensor) or idx.dtype != torch.long:
+            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {_describe(idx)}")
+        if idx.dim() != 2 or idx.shape[0] == 0 or idx.shape[1] == 0:
+            raise ValueError(f"idx must have shape (batch, seq) with batch, seq >= 1, got {shape_str(idx.shape)}")
+        device = self.tok_emb.weight.device
+        if idx.device != device:
+            raise ValueError(f"idx is on {idx.device} but the model's parameters are on {device}")
+        _checks.check_values((idx >= 0) & (idx < V), "idx", f"a tensor of token ids in [0, {V})", idx)
+
     def _check_state(self, state, batch: int, device) -> Tensor:
-        """The positions where the sequences continue: (B,) int64 (zeros without a state)."""
+        """The positions where the sequences continue: (B,) int64 (zeros without a state).
+
+        Checked at every use; each layer state is checked again by its attention layer."""
         if state is None:
             return torch.zeros(batch, dtype=torch.long, device=device)
         if not isinstance(state, DecodingState):
             raise TypeError(f"state must be a DecodingState (or None), got {type(state).__name__}")
-        if not isinstance(state.layers, (list, tuple)) or len(state.layers) != self.config.n_layers:
+        _check_decoding_state(state)
+        if len(state.layers) != self.config.n_layers:
             raise ValueError(f"state must hold one layer state per block ({self.config.n_layers}), got "
-                             f"{len(state.layers) if isinstance(state.layers, (list, tuple)) else state.layers!r}")
+                             f"{len(state.layers)}")
+        for i, (s, block) in enumerate(zip(state.layers, self.blocks)):
+            kind = LinearAttentionState if isinstance(block.attn, LinearAttention) else KVCache
+            if not isinstance(s, kind):
+                raise TypeError(f"state.layers[{i}] must be a {kind.__name__} for block {i} "
+                                f"({type(block.attn).__name__}), got {type(s).__name__}")
         p = state.positions
-        if not isinstance(p, Tensor) or p.dtype != torch.long or tuple(p.shape) != (batch,):
+        if tuple(p.shape) != (batch,):
             raise ValueError(f"state.positions must be an int64 tensor of shape (batch,) = ({batch},), "
                              f"got {_describe(p)}")
-        return p.to(device)
+        if p.device != device:
+            raise ValueError(f"state.positions is on {p.device} but idx is on {device}")
+        _checks.check_values(p >= 0, "state.positions", "a count of tokens seen, >= 0", p)
+        return p
 
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.
@@ -748,71 +1063,86 @@ class TransformerLM(nn.Module):
 
         The prompt is processed in one parallel pass that returns the state (the recurrent
         state of linear attention, the KV cache of softmax attention); each new token then
-        costs one step from that state. Sampling follows nanoGPT: logits divided by
-        ``temperature``, optionally cut to the ``top_k`` largest, then a draw.
+        costs one step from that state. Sampling follows nanoGPT: the logits optionally cut
+        to the ``top_k`` largest, divided by ``temperature``, then a draw from their softmax.
+        Every argument is checked before anything runs, whatever ``max_new_tokens`` is.
+
+        A sequence holds at most ``max_len`` real tokens, the prompt's and the generated
+        ones together (``longest prompt + max_new_tokens <= max_len``), so the returned
+        sequences are valid inputs of :meth:`forward` (with the mask extended by True).
 
         Parameters
         ----------
         idx : Tensor
-            ``(B, T)`` int64 prompts. Prompts of different lengths are left-padded: pad ids
-            (any valid id) first, marked False in ``attention_mask``.
+            ``(B, T)`` int64 prompts, as in :meth:`forward`. Prompts of different lengths are
+            left-padded: pad ids (any valid id) first, marked False in ``attention_mask``.
         max_new_tokens : int
             Tokens to generate, ``>= 0``.
         temperature : float
-            ``> 0`` to sample; ``0`` for greedy decoding (the most likely token every step).
+            ``> 0`` to sample, any positive float: the draw is from
+            ``softmax((logits - max) / temperature)``, so as ``temperature`` goes to 0 it
+            becomes the most likely token (a uniform draw among exact ties) and never
+            overflows; ``0`` for greedy decoding (the first most likely token every step).
         top_k : int, optional
-            Sample among the ``top_k`` most likely tokens only.
+            Sample among the ``top_k`` most likely tokens only (tokens tied with the
+            ``top_k``-th are kept; a ``top_k`` of at least ``vocab_size`` cuts nothing).
         attention_mask : Tensor, optional
             ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name); each row must be False then True (left
-            padding) with at least one True.
+            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+            Each row must be False then True (left padding), ending in a real token.
         generator : torch.Generator, optional
-            Random source of the draws (on the model's device).
+            Random source of the draws, on the model's device type.
 
         Returns
         -------
         Tensor
-            ``(B, T + max_new_tokens)`` int64: the prompts as given, then the new tokens.
-            Each row equals what its prompt generates alone (greedy; up to float rounding).
+            ``(B, T + max_new_tokens)`` int64: the prompts as given (a copy), then the new
+            tokens. Each row equals what its prompt generates alone (greedy; up to float
+            rounding).
 
         Raises
         ------
         TypeError
-            A non-int ``max_new_tokens`` or ``top_k``, a non-number ``temperature`` (and as
-            :meth:`forward`).
+            ``idx`` not an int64 tensor; a non-integer ``max_new_tokens`` or ``top_k``; a
+            non-number ``temperature``; a ``generator`` that is not a ``torch.Generator``; a
+            non-bool mask.
         ValueError
-            Negative ``max_new_tokens`` or ``temperature``, ``top_k < 1``, a mask that is not
-            left padding, or more than ``max_len`` tokens in a sequence.
+            ``idx`` not ``(B, T)`` with ``B, T >= 1``, not on the model's device or with ids
+            out of range; negative ``max_new_tokens``; a negative or non-finite
+            ``temperature``; ``top_k < 1``; a generator on another device type; a mask that is
+            not ``(B, T)`` or not left padding; a prompt plus ``max_new_tokens`` longer than
+            ``max_len``.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        self._check_idx(idx)
+        B, T = idx.shape
+        max_new_tokens = _check_count(max_new_tokens, "max_new_tokens")
+        temperature = _check_temperature(temperature)
         if top_k is not None:
-            _check_int(top_k, "top_k")
-        if isinstance(idx, Tensor) and idx.dim() == 2:
-            attention_mask = _check_attention_mask(attention_mask, idx.shape[0], idx.shape[1], idx.device)
+            top_k = _checks.check_positive_int(top_k, "top_k")
+        if generator is not None:
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator must be a torch.Generator (or None), got {_checks.type_name(generator)}")
+            if generator.device.type != idx.device.type:
+                raise ValueError(f"generator is on {generator.device} but the model is on {idx.device}")
+        attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
         if attention_mask is not None:
             left_padded = (attention_mask[:, 1:] >= attention_mask[:, :-1]).all() & attention_mask[:, -1].all()
             if not bool(left_padded):
                 raise ValueError("attention_mask must describe left padding (each row False... then True..., "
                                  "ending in a real token) for generate")
+        longest = T if attention_mask is None else int(attention_mask.sum(dim=1).max())
+        if longest + max_new_tokens > self.config.max_len:
+            raise ValueError(f"a prompt of {longest} real tokens plus max_new_tokens={max_new_tokens} makes "
+                             f"{longest + max_new_tokens} tokens but the model has max_len={self.config.max_len} "
+                             "positions")
         if max_new_tokens == 0:
             return idx.clone()
-        longest = idx.shape[1] if attention_mask is None else int(attention_mask.sum(dim=1).max())
-        if longest + max_new_tokens - 1 > self.config.max_len:
-            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs "
-                             f"{longest + max_new_tokens - 1} positions but max_len={self.config.max_len}")
         logits, state = self(idx, attention_mask=attention_mask, return_state=True)  # (B, T, V)
         new = []
         for i in range(max_new_tokens):
             nxt = self._pick(logits[:, -1], temperature, top_k, generator)                # (B, 1)
             new.append(nxt)
-            if i + 1 < max_new_tokens:
+            if i + 1 < max_new_tokens:                                                   # the last is not fed back
                 logits, state = self(nxt, state=state, return_state=True)                 # (B, 1, V)
         return torch.cat([idx, *new], dim=1)                                              # (B, T + new)
 
@@ -821,11 +1151,17 @@ class TransformerLM(nn.Module):
         """One token per row of ``logits`` (B, V): argmax when ``temperature == 0``, else a draw."""
         if temperature == 0:
             return logits.argmax(dim=-1, keepdim=True)                   # (B, 1)
-        logits = logits.float() / temperature
+        logits = logits.float()
         if top_k is not None and top_k < logits.shape[-1]:
             kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]       # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
+        # Shift first: (logits - max) <= 0, exactly 0 at the maximum, so dividing by a tiny temperature
+        # gives 0 and -inf (never inf - inf = NaN). The temperature rounds to float32 here: to 0 (for
+        # 0 < temperature < 1.4e-45) or inf (above 3.4e38); 0/0 and -inf/inf are then fixed to 0 and -inf.
+        shifted = logits - logits.amax(dim=-1, keepdim=True)             # (B, V)
+        scaled = torch.where(shifted == 0, 0.0, torch.where(shifted == float("-inf"), float("-inf"),
+                                                            shifted / temperature))
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)  # (B, 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -839,16 +1175,59 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def _check_int(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+def _set_linear_options(layer: nn.Module, feature_map, normalize, eps, chunk_size) -> None:
+    """Check and store the options of linear attention on ``layer`` (after its sizes are set)."""
+    layer.normalize = _checks.check_bool(normalize, "normalize")
+    layer.chunk_size = _checks.check_chunk_size(chunk_size)
+    layer.eps = _checks.check_eps(eps, torch.float32)                    # linear_attention's rule for float32
+    layer.feature_map = _build_feature_map(feature_map, layer.head_dim)  # a module is registered
+    layer.feature_map_name = feature_map if isinstance(feature_map, str) else None
 
 
-def _check_bool(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+def _is_causal_mask(mask, Tq: int, Tk: int) -> bool:
+    """``mask`` is PyTorch's causal attn_mask: (T, T) bool True above the diagonal, or float -inf there and 0 below."""
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {_checks.type_name(mask)}")
+    if Tq != Tk or tuple(mask.shape) != (Tq, Tk):
+        return False
+    future = torch.ones(Tq, Tk, dtype=torch.bool, device=mask.device).triu(1)  # (T, T) keys after the query
+    if mask.dtype == torch.bool:
+        return torch.equal(mask, future)
+    if mask.is_floating_point():
+        return torch.equal(mask == float("-inf"), future) and bool((mask[~future] == 0).all())
+    return False
+
+
+def _check_temperature(value) -> float:
+    """A finite real number >= 0 (Python or NumPy), as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"temperature must be a float, got {_checks.type_name(value)}")
+    try:
+        t = float(value)
+    except OverflowError:                                                 # an int beyond float's range
+        t = math.inf
+    if not (t >= 0 and math.isfinite(t)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {value}")
+    return t
+
+
+def _check_count(value, name: str) -> int:
+    """``value`` is a Python or NumPy integer >= 0; returns it as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_checks.type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _build_feature_map(feature_map, head_dim: int):
+    """φ for a layer: a name of a map that takes ``head_dim`` (Hedgehog, Performer) is built for
+    this layer's ``head_dim``; anything else as :func:`linattn.linear_attention` resolves it."""
+    if isinstance(feature_map, str):
+        cls = PARAMETRIC_FEATURE_MAPS.get(feature_map.strip().lower())
+        if cls is not None and "head_dim" in inspect.signature(cls).parameters:
+            return get_feature_map(feature_map, head_dim=head_dim)
+    return resolve_feature_map(feature_map)
 
 
 def _check_attention_mask(mask, batch: int, seq: int, device) -> Optional[Tensor]:

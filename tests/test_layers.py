@@ -166,9 +166,9 @@ def test_generate_is_seeded_and_respects_top_k(attention):
 
 def test_generate_stops_at_max_len():
     model = _model("linear", max_len=16)
-    assert model.generate(_ids(1, 6), 11, temperature=0.0).shape == (1, 17)   # last position used: 15
+    assert model.generate(_ids(1, 6), 10, temperature=0.0).shape == (1, 16)   # max_len tokens in all
     with pytest.raises(ValueError, match="max_len"):
-        model.generate(_ids(1, 6), 12, temperature=0.0)
+        model.generate(_ids(1, 6), 11, temperature=0.0)
     with pytest.raises(ValueError, match="max_len"):
         model(_ids(1, 17))
 
@@ -352,7 +352,7 @@ def test_bad_model_inputs():
         model(torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r"idx must have shape \(batch, seq\)"):
         model(_ids(5))
-    with pytest.raises(ValueError, match=r"idx must hold token ids in \[0, 29\)"):
+    with pytest.raises(ValueError, match=r"idx must be a tensor of token ids in \[0, 29\), got 29 at index \(0, 0\)"):
         model(torch.full((1, 3), VOCAB))
     with pytest.raises(ValueError, match="attention_mask"):
         model(_ids(2, 5), attention_mask=torch.ones(2, 6, dtype=torch.bool))
@@ -364,7 +364,7 @@ def test_bad_model_inputs():
     with pytest.raises(ValueError, match=r"state.positions .*shape \(batch,\) = \(3,\)"):
         model(_ids(3, 1), state=state)
     softmax = _model("softmax")
-    with pytest.raises(TypeError, match="state must be a KVCache"):
+    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a KVCache"):
         softmax(_ids(2, 1), state=state)                                    # a linear model's state
     with pytest.raises(ValueError, match="left padding"):
         model.generate(_ids(2, 5), 3, attention_mask=torch.tensor([[True] * 4 + [False]] * 2))
