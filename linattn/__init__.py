@@ -9,8 +9,8 @@ from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, Pe
 from .recurrent import LinearAttentionState, linear_attention_step
 from .decay import delta_rule, gated_linear_attention, retention
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
-from .layers import (DecodingState, KVCache, LinearAttention, SoftmaxAttention, TransformerBlock,
-                     TransformerConfig, TransformerLM)
+from .layers import (DecodingState, KVCache, LinearAttention, LinearMultiheadAttention, SoftmaxAttention,
+                     TransformerBlock, TransformerConfig, TransformerLM)
 from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "book_figure",
     "finish_figure",
     "LinearAttention",
+    "LinearMultiheadAttention",
     "SoftmaxAttention",
     "TransformerBlock",
     "TransformerConfig",

@@ -550,12 +550,22 @@ class SoftmaxAttention(_MultiHeadProjections):
             k = torch.cat([state.k, k], dim=2)                            # (B, H_kv, P + T, D)
             v = torch.cat([state.v, v], dim=2)
             mask = torch.cat([state.attention_mask, mask], dim=1)       # (B, P + T)
+        # SDPA multiplies the zero weights of future and padded keys with their values: a NaN or
+        # infinity there would reach every query (0 · NaN = NaN). So non-finite keys and values are
+        # zeroed for SDPA, and each output entry that does see one is set to NaN afterwards.
+        bad_k = ~torch.isfinite(k).all(dim=-1, keepdim=True)              # (B, H_kv, P + T, 1)
+        bad_v = ~torch.isfinite(v)                                        # (B, H_kv, P + T, D)
+        k_sdpa, v_sdpa = self._repeat_kv(k.masked_fill(bad_k, 0.0)), self._repeat_kv(v.masked_fill(bad_v, 0.0))
+        bad = (bad_k | bad_v).float()                                     # (B, H_kv, P + T, D)
         if state is None and attention_mask is None:                    # plain (causal) attention
-            y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), is_causal=self.causal)
+            y = F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, is_causal=self.causal)
+            seen = bad.cumsum(dim=2) if self.causal else bad.sum(dim=2, keepdim=True)
         else:
             allowed, empty = self._allowed(mask, T)                       # (B, 1, T, P + T), (B, 1, T, 1)
-            y = F.scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), attn_mask=allowed)
+            y = F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, attn_mask=allowed)
             y = y.masked_fill(empty, 0.0)                                 # (B, H, T, D)
+            seen = (allowed & ~empty).float() @ bad                       # (B, H_kv, T, D)
+        y = y.masked_fill(self._repeat_kv(seen) > 0, float("nan"))        # depends on a non-finite key/value
         y = self._merge(y)                                                # (B, T, d_model)
         return (y, KVCache(k, v, mask)) if return_state else y
 

@@ -312,8 +312,6 @@ def test_decoding_state_equality_is_a_bool_by_value():
     assert (a == a.layers) is False
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=False,
-                   reason="LinearAttentionState's dataclass == is ambiguous on tensors (recurrent.py, being fixed)")
 def test_decoding_state_equality_with_linear_layers():
     model = _model("linear")
     with torch.no_grad():

@@ -123,9 +123,9 @@ def test_padded_value_slots_never_matter():
             assert torch.equal(dirty[rows], clean[rows]), (fn.__name__, causal)
 
 
-@pytest.mark.parametrize("name", ["linear"])
+@pytest.mark.parametrize("name", ["linear", "softmax"])
 def test_causal_layers(name):
-    """A causal layer's earlier outputs ignore garbage in later positions of x."""
+    """A causal layer's earlier outputs ignore garbage in later positions of x (also a padded, cached one)."""
     torch.manual_seed(0)
     layer = (linattn.LinearAttention(16, 2, causal=True, chunk_size=4) if name == "linear"
              else linattn.SoftmaxAttention(16, 2, causal=True)).double()
@@ -136,6 +136,11 @@ def test_causal_layers(name):
             x2 = x.clone()
             x2[:, t:] = value
             assert torch.equal(layer(x2)[:, :t], clean[:, :t]), (t, value)
+            # right padding marked in the mask: the padded garbage changes no real token's output
+            mask = torch.arange(11) < t
+            if t:
+                assert torch.equal(layer(x2, attention_mask=mask.expand(2, 11))[:, :t],
+                                   layer(x, attention_mask=mask.expand(2, 11))[:, :t])
 
 
 @settings(max_examples=40)

@@ -158,10 +158,11 @@ def _functions(dtype=torch.float32):
     }
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("backend,dynamic", [("eager", False), ("eager", True), ("aot_eager", False)])
 @pytest.mark.parametrize("name", list(_functions()))
 def test_fullgraph_compile_of_every_public_function(name, backend, dynamic):
+    """Dynamo traces every function in one graph (also with symbolic shapes and floats, dynamic=True);
+    aot_eager also traces it through AOTAutograd, as inductor would, without generating code."""
     fn = _functions()[name]
     q, k, v = _qkv(dtype=torch.float32)
     torch._dynamo.reset()
