@@ -119,11 +119,18 @@ def linear_attention(
 
     Katharopoulos et al. (2020), eq. 5 (non-causal) and eq. 9 (causal)::
 
-        y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / max(Σ_j φ(q_i)ᵀφ(k_j), eps)
+        y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)
 
     where ``j`` runs over the unpadded keys (``j <= i`` when causal). With an
     ``initial_state`` (S0, z0) every query also sees ``φ(q_i)ᵀS0`` and ``φ(q_i)ᵀz0``, as if
-    the tokens that built the state came first.
+    the tokens that built the state came first. For a non-negative φ the output is the
+    exact weighted average of the values however small the normaliser is (down to the
+    dtype's underflow): it does not change when φ(q_i), or all φ(k_j), are scaled by a
+    positive number.
+
+    Causality holds whatever the values: with ``causal=True`` a NaN or infinity at position
+    ``t`` (in q, k or v) never changes an output before ``t``, in every method (an output
+    that depends on a non-finite input is NaN or ±inf; which one may differ between methods).
 
     Methods (all compute the same numbers up to rounding):
 
@@ -153,10 +160,12 @@ def linear_attention(
     normalize : bool
         Divide by the normaliser (True) or return the numerator ``Σ φ(q_i)ᵀφ(k_j) v_j``.
     eps : float
-        Positive lower bound on the normaliser; it only matters when the normaliser can
-        reach zero (maps that are not strictly positive, such as ReLU). A feature map with
-        negative values can make the normaliser negative, and the clamp then turns it into
-        ``eps``: the output is meaningless (chapter 2 shows why). Use a non-negative φ.
+        Replaces the normaliser only where it is zero, negative or not finite; a positive
+        normaliser is used as it is, however small (so ``eps`` never changes a valid output).
+        Zero happens with non-negative maps that are not strictly positive (ReLU: a query
+        orthogonal to every key), and then the numerator is zero too: the output is 0.
+        Negative happens only with feature maps that take negative values: the output
+        ``num / eps`` is then meaningless (chapter 2 shows why). Use a non-negative φ.
     method : str
         One of ``"auto"``, ``"parallel"``, ``"quadratic"``, ``"recurrent"``, ``"chunk"``.
     chunk_size : int
@@ -176,24 +185,33 @@ def linear_attention(
     -------
     out : Tensor
         ``(B, H, Tq, Dv)`` in the dtype of ``q``. Half and bfloat16 inputs are computed
-        with float32 accumulation and only the output is rounded. With ``normalize=False``
+        with float32 accumulation and only the output is rounded; under ``torch.autocast``
+        the computation keeps these dtypes (autocast is switched off inside). With ``normalize=False``
         the numerator grows with the number of keys and can exceed float16's range (65504)
         when rounded back: prefer ``normalize=True`` or float32/bfloat16 inputs there.
         The output of ``method="chunk"`` is saved for its backward pass: modifying it in
         place before calling backward raises autograd's usual in-place error.
     state : LinearAttentionState
-        Only if ``return_state``: float32 (float64 for float64 inputs).
+        Only if ``return_state``: float32 (float64 for float64 inputs), contiguous tensors
+        that share no memory with the inputs.
 
     Raises
     ------
     TypeError
-        Non-tensor, non-floating or mixed-dtype inputs; a non-bool mask or flag; a
-        feature map that is neither a name, a callable nor None; a bad state type.
+        Non-tensor, non-floating or mixed-dtype inputs; a mask that is not a bool or integer
+        tensor; a non-bool flag; a feature map that is neither a name, a callable nor None,
+        or that returns no floating tensor; a bad state type; ``key_padding_mask`` (renamed
+        ``attention_mask``, with the opposite meaning of PyTorch's).
     ValueError
-        Wrong ranks; batch, heads or dims that disagree; causal with ``Tq != Tk``; an
-        unknown method or feature map name; a method that does not fit ``causal``; a
-        mask or state of the wrong shape; ``chunk_size < 1``; ``eps <= 0`` or ``eps`` outside
-        the normal range of the computation dtype (float32 for half inputs).
+        Wrong ranks; an empty dimension; batch, heads or dims that disagree; causal with
+        ``Tq != Tk``; an unknown method or feature map name; a method that does not fit
+        ``causal``; a mask or state of the wrong shape or device, an integer mask holding
+        values other than 0 and 1; features of another shape or device than their inputs;
+        ``chunk_size < 1``; ``eps <= 0`` or ``eps`` outside the normal range of the
+        computation dtype (float32 for half inputs); a position-dependent feature map
+        (cosFormer) with ``initial_state``, or without a fixed ``max_len`` in a causal call
+        or with ``Tq != Tk``. Under ``torch.compile`` the value checks on tensor data (an
+        integer mask's values) run inside the graph and raise RuntimeError.
     """
     _checks.check_qkv(q, k, v, causal=causal)
     causal = _checks.check_bool(causal, "causal")

@@ -150,9 +150,19 @@ def retention(
         number nor a floating tensor; a non-str method; a non-int chunk size; a non-bool
         flag; an ``initial_state`` that is not a floating tensor.
     ValueError
-        Wrong ranks or shapes; ``gamma`` outside ``(0, 1]``, not finite, or a tensor not of
-        shape ``(H,)`` or on another device; an unknown method; ``chunk_size < 1``; an
-        ``initial_state`` of the wrong shape or device.
+        Wrong ranks or shapes, an empty dimension; ``gamma`` outside ``(0, 1]``, not finite,
+        or a tensor not of shape ``(H,)`` or on another device; an unknown method;
+        ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; features of
+        another shape or device than their inputs; a position-dependent feature map
+        (cosFormer) with ``initial_state`` or without a fixed ``max_len``. Under
+        ``torch.compile`` the checks of tensor values (``gamma``, ``log_g``, ``beta``) run
+        inside the graph and raise RuntimeError with the same message.
+
+    Notes
+    -----
+    Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
+    an output before ``t`` (in both methods). Autocast is switched off inside: the
+    computation keeps the dtypes above under ``torch.autocast``.
     """
     p = _prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
     with no_autocast(q.device):

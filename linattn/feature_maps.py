@@ -677,12 +677,14 @@ def distill_feature_map(feature_map: nn.Module, q: Tensor, k: Tensor, *, steps: 
     if scale is not None:
         _check_positive(scale, "scale")
     _check_bool(causal, "causal")
-    q, k = q.detach(), k.detach()
-    target = _softmax_weights(q, k, scale, causal)                                  # (B, H, T, T)
-    entropy = -(target * target.clamp_min(1e-30).log()).sum(-1).mean()
-    opt = torch.optim.Adam(params, lr=lr)
-    history = []
-    with torch.enable_grad():                     # also when called under torch.no_grad()
+    # Under torch.inference_mode() inputs are inference tensors and autograd is off: train on
+    # ordinary copies made outside inference mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        q, k = q.detach().clone(), k.detach().clone()
+        target = _softmax_weights(q, k, scale, causal)                              # (B, H, T, T)
+        entropy = -(target * target.clamp_min(1e-30).log()).sum(-1).mean()
+        opt = torch.optim.Adam(params, lr=lr)
+        history = []
         for _ in range(steps):
             weights = _kernel_weights(feature_map(q), feature_map(k), causal)     # (B, H, T, T)
             cross_entropy = -(target * weights.clamp_min(1e-30).log()).sum(-1).mean()
