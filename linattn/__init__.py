@@ -7,7 +7,9 @@ from .feature_maps import elu_plus_one, get_feature_map, relu
 from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, PerformerFeatures, TaylorFeatures,
                            distill_feature_map, squared_relu)
 from .recurrent import LinearAttentionState, linear_attention_step
-from .decay import delta_rule, gated_linear_attention, retention
+from .ops.retention import retention
+from .ops.gla import gated_linear_attention
+from .ops.delta import delta_rule
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
 from .layers import (DecodingState, KVCache, LinearAttention, LinearMultiheadAttention, SoftmaxAttention,
                      TransformerBlock, TransformerConfig, TransformerLM)

@@ -11,9 +11,9 @@ from torch import Tensor
 
 from . import _checks
 from ._numerics import all_finite, compiling, masked_matmul, no_autocast
-from .chunked import chunkwise_linear_attention
+from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, resolve_feature_map
-from .recurrent import LinearAttentionState, check_initial_state, finish, step_features
+from .recurrent import LinearAttentionState, check_initial_state, finish
 
 __all__ = ["softmax_attention", "linear_attention", "METHODS"]
 
@@ -137,7 +137,7 @@ def linear_attention(
     - ``"parallel"``: non-causal only; ``φ(Q)(φ(K)ᵀV)``, cost ``O(T·M·Dv)``.
     - ``"quadratic"``: the masked ``Tq×Tk`` matrix ``φ(Q)φ(K)ᵀ``, cost ``O(T²·(M + Dv))``.
     - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
-    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.chunked`. On CUDA,
+    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.ops.linear`. On CUDA,
       when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
       kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it);
       ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
@@ -261,11 +261,11 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     S0 = None if state0 is None else state0.augmented()                   # (B, H, M, Dv + 1)
     v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)       # (B, H, Tk, Dv + 1)
     if method == "parallel":
-        out_aug, S = _parallel(phi_q, phi_k, v_aug, S0)
+        out_aug, S = parallel_linear_attention(phi_q, phi_k, v_aug, S0)
     elif method == "quadratic":
-        out_aug, S = _quadratic(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
+        out_aug, S = quadratic_linear_attention(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
     else:
-        out_aug, S = _recurrent(phi_q, phi_k, v_aug, S0)
+        out_aug, S = recurrent_linear_attention(phi_q, phi_k, v_aug, S0)
     out = finish(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
     return out, (LinearAttentionState.from_augmented(S) if return_state else None)
 
@@ -324,44 +324,3 @@ def _resolve_method(method, causal: bool) -> str:
             "or 'quadratic' for non-causal attention"
         )
     return method
-
-
-def _parallel(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Non-causal ``φ(Q)(φ(K)ᵀ[V, 1])``: the summary first, then every query reads it."""
-    S = phi_k.transpose(-1, -2) @ v_aug                  # (B, H, M, Dv + 1)
-    if S0 is not None:
-        S = S0 + S
-    return phi_q @ S, S                                  # (B, H, Tq, Dv + 1)
-
-
-def _quadratic(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor], causal: bool,
-               need_state: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """``(φ(Q)φ(K)ᵀ ⊙ mask)[V, 1]``: the Tq×Tk matrix first, as softmax attention does."""
-    scores = phi_q @ phi_k.transpose(-1, -2)             # (B, H, Tq, Tk)
-    if causal:
-        scores = scores.tril()
-        if compiling() or not all_finite(v_aug):         # a NaN/inf value must not reach earlier rows
-            causal_ones = torch.ones(scores.shape[-2:], dtype=scores.dtype, device=scores.device).tril()
-            out_aug = masked_matmul(scores, v_aug, causal_ones)
-        else:
-            out_aug = scores @ v_aug                     # (B, H, Tq, Dv + 1)
-    else:
-        out_aug = scores @ v_aug                         # (B, H, Tq, Dv + 1)
-    if S0 is not None:
-        out_aug = out_aug + phi_q @ S0
-    S = None
-    if need_state:
-        S = phi_k.transpose(-1, -2) @ v_aug
-        S = S if S0 is None else S0 + S
-    return out_aug, S
-
-
-def _recurrent(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The RNN view: one :func:`step_features` per token (slow in Python; the test oracle)."""
-    B, H, T, M = phi_k.shape
-    S = S0 if S0 is not None else phi_k.new_zeros(B, H, M, v_aug.shape[-1])
-    outs = []
-    for t in range(T):
-        out_t, S = step_features(phi_q[:, :, t], phi_k[:, :, t], v_aug[:, :, t], S)
-        outs.append(out_t)
-    return torch.stack(outs, dim=2), S                   # (B, H, T, Dv + 1)

@@ -8,8 +8,9 @@ the command line::
     python -m linattn.bench --device cpu --seq-lens 1024 4096 16384 --heads 8 \\
         --json bench.json --plot bench.png
 
-or from Python, with :func:`run_benchmark` and :func:`format_table`. The decay family of
-:mod:`linattn.decay` (retention, GLA, the delta rule) has its own table, chunk form
+or from Python, with :func:`run_benchmark` and :func:`format_table`. The decay family
+(:func:`linattn.retention`, :func:`linattn.gated_linear_attention`,
+:func:`linattn.delta_rule`) has its own table, chunk form
 against recurrent form (:func:`run_decay_benchmark`, :func:`format_decay_table`)::
 
     python -m linattn.bench --decay --threads 1               # T = 4096, B = 1, H = 4, D = 64
@@ -939,10 +940,10 @@ def run_decay_benchmark(
     progress: bool = False,
     threads: Optional[int] = None,
 ) -> list[dict]:
-    """Time the chunkwise and the recurrent forms of :mod:`linattn.decay` against each other.
+    """Time the chunkwise and the recurrent forms of the decay family against each other.
 
-    For each variant (``retention``: :func:`linattn.decay.retention`, ``gla``:
-    :func:`~linattn.decay.gated_linear_attention`, ``delta``: :func:`~linattn.decay.delta_rule`)
+    For each variant (``retention``: :func:`linattn.retention`, ``gla``:
+    :func:`~linattn.gated_linear_attention`, ``delta``: :func:`~linattn.delta_rule`)
     and each ``T``, both ``method="chunk"`` and ``method="recurrent"`` run on the same
     seeded inputs (``D = Dv = head_dim``): the median forward time under ``torch.no_grad``
     and, with ``backward``, the median forward+backward time (``autograd.grad`` w.r.t.
@@ -978,7 +979,8 @@ def run_decay_benchmark(
         Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``,
         CUDA requested but not available.
     """
-    from . import decay
+    from .ops import delta, gla, retention
+    decay = {"retention": retention.retention, "gla": gla.gated_linear_attention, "delta": delta.delta_rule}
 
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype)
@@ -1013,7 +1015,7 @@ def run_decay_benchmark(
 def _time_decay(decay, seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
                 backward, seed, progress) -> list[dict]:
     """The timing loop of :func:`run_decay_benchmark` (arguments already checked)."""
-    functions = {"retention": decay.retention, "gla": decay.gated_linear_attention, "delta": decay.delta_rule}
+    functions = decay
     results = []
     with tqdm(total=len(seq_lens) * len(variants) * 2, disable=not progress, unit="cell",
               desc="linattn.bench --decay", file=sys.stderr) as bar:
@@ -1096,7 +1098,7 @@ def format_decay_table(results: Sequence[dict]) -> str:
     chunk_text = f"C={chunks[0]}" if not per_row_chunk else f"C=min({first['chunk_size']}, T)"
     threads = sorted({r["threads"] for r in results if r.get("threads") is not None})
     threads_text = f", {'/'.join(map(str, threads))} thread{'s' if threads != [1] else ''}" if threads else ""
-    title = (f"linattn.decay on {first['device']}{threads_text}, {first['dtype']}, B={first['batch']} "
+    title = (f"linattn decay family on {first['device']}{threads_text}, {first['dtype']}, B={first['batch']} "
              f"H={first['heads']} D=Dv={first['head_dim']}, {chunk_text}: chunk vs recurrent")
     legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; "
               "rec/chunk: recurrent time / chunk time (> 1: the chunk form is faster).")
@@ -1162,7 +1164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-progress", action="store_true", help="no progress bar")
     add("--decay", action="store_true",
         help="instead: time the chunk and recurrent forms of retention, GLA and the delta rule "
-             f"(linattn.decay); --seq-lens defaults to {' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, "
+             f"(the decay family); --seq-lens defaults to {' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, "
              "--methods, --max-memory-gb and --plot do not apply (and are refused)")
     return parser
 

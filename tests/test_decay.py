@@ -1,4 +1,4 @@
-"""linattn.decay: retention, gated linear attention and the delta rule.
+"""The decay family: retention, gated linear attention and the delta rule (linattn.retention, .gla, .delta).
 
 The references here are written from the recurrences in the papers, in float64, and do
 not import linattn: retention and GLA as closed-form quadratic sums, the delta rule as a
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import linattn
 from linattn import bench
-from linattn.decay import delta_rule, gated_linear_attention, retention
+from linattn import delta_rule, gated_linear_attention, retention
 
 VARIANTS = ("retention", "gla", "delta")
 TIGHT = dict(rtol=1e-9, atol=1e-9)      # float64 against float64: only the order of the sums differs

@@ -1,4 +1,4 @@
-"""The fused Triton kernel (linattn.kernels.triton_chunk) against its twin, linattn.chunked.
+"""The fused Triton kernel (linattn.kernels.triton_chunk) against its twin, linattn.ops.linear.
 
 Without CUDA the kernels run in Triton's interpreter (NumPy on the CPU), so the shapes
 are tiny. Triton decides interpreter-or-compiler when a function is decorated with
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import linattn.kernels
-from linattn.chunked import chunk_linear_attention
+from linattn.ops.linear import chunk_linear_attention
 
 B, H, M, DV = 2, 2, 16, 33  # M != Dv, Dv not a power of two (like the values plus a ones column)
 

@@ -3,7 +3,7 @@
 =================================  ==============================================
 fast path                          twin (reference)
 =================================  ==============================================
-``chunk_linear_attention_triton``  :func:`linattn.chunked.chunk_linear_attention`
+``chunk_linear_attention_triton``  :func:`linattn.ops.linear.chunk_linear_attention`
 =================================  ==============================================
 
 Importing this package never imports Triton: ``import linattn`` works without it.

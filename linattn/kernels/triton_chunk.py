@@ -1,6 +1,6 @@
 """Chunkwise causal linear attention as fused Triton kernels (forward and backward).
 
-The fast twin of :func:`linattn.chunked.chunk_linear_attention`, which is the clear
+The fast twin of :func:`linattn.ops.linear.chunk_linear_attention`, which is the clear
 reference and the test oracle: same arguments, same results up to float32 rounding.
 With ``C = chunk_size``, ``N = ceil(T / C)`` chunks and ``X_c`` the rows of chunk ``c``
 (Hua et al., 2022, sec. 3.3; Yang et al., 2024, sec. 2.2)::
@@ -314,7 +314,7 @@ def chunk_linear_attention_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: O
                                   chunk_size: int) -> tuple[Tensor, Tensor]:
     """Causal linear attention on features, chunk by chunk, as fused Triton kernels.
 
-    Computes exactly what :func:`linattn.chunked.chunk_linear_attention` computes (see the
+    Computes exactly what :func:`linattn.ops.linear.chunk_linear_attention` computes (see the
     module docstring for the algorithm), and is differentiable with respect to ``phi_q``,
     ``phi_k``, ``v`` and ``S0`` (backward also runs Triton kernels).
 

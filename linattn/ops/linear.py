@@ -1,4 +1,14 @@
-"""Chunkwise-parallel causal linear attention.
+"""Plain (normalised) linear attention, the first operator family: its algorithms side by side.
+
+- :func:`parallel_linear_attention` (non-causal ``φ(Q)(φ(K)ᵀV)``), :func:`quadratic_linear_attention`
+  (the masked ``T×T`` form) and :func:`recurrent_linear_attention` (the token loop, the RNN view of
+  Katharopoulos et al., 2020, eqs. 18-20; the test oracle) work on features with the normaliser
+  carried as an extra value column of ones;
+- :func:`chunk_linear_attention` is the chunkwise form as a clear loop over chunks, and
+  :func:`chunkwise_linear_attention` the same mathematics organised for speed (what
+  ``method="chunk"`` runs), with a hand-written backward.
+
+Chunkwise-parallel causal linear attention:
 
 Split the sequence into chunks of ``C`` tokens. Inside a chunk, attention is the
 small masked quadratic form; across chunks, a query reads the state ``S`` that
@@ -21,9 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._numerics import all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
+from .._numerics import all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
+from ..recurrent import step_features
 
-__all__ = ["chunk_linear_attention", "chunkwise_linear_attention"]
+__all__ = ["chunk_linear_attention", "chunkwise_linear_attention", "parallel_linear_attention",
+           "quadratic_linear_attention", "recurrent_linear_attention"]
 
 
 def chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
@@ -459,3 +471,47 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     if not always_safe and not all_finite(out[1], out[2]):   # a NaN/inf somewhere: keep it causal
         out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, True)
     return out[0], out[1], out[2]
+
+
+# --------------------------------------------------------------------------- the reference algorithms
+
+
+def parallel_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Non-causal ``φ(Q)(φ(K)ᵀ[V, 1])``: the summary first, then every query reads it."""
+    S = phi_k.transpose(-1, -2) @ v_aug                  # (B, H, M, Dv + 1)
+    if S0 is not None:
+        S = S0 + S
+    return phi_q @ S, S                                  # (B, H, Tq, Dv + 1)
+
+
+def quadratic_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor], causal: bool,
+               need_state: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """``(φ(Q)φ(K)ᵀ ⊙ mask)[V, 1]``: the Tq×Tk matrix first, as softmax attention does."""
+    scores = phi_q @ phi_k.transpose(-1, -2)             # (B, H, Tq, Tk)
+    if causal:
+        scores = scores.tril()
+        if compiling() or not all_finite(v_aug):         # a NaN/inf value must not reach earlier rows
+            causal_ones = torch.ones(scores.shape[-2:], dtype=scores.dtype, device=scores.device).tril()
+            out_aug = masked_matmul(scores, v_aug, causal_ones)
+        else:
+            out_aug = scores @ v_aug                     # (B, H, Tq, Dv + 1)
+    else:
+        out_aug = scores @ v_aug                         # (B, H, Tq, Dv + 1)
+    if S0 is not None:
+        out_aug = out_aug + phi_q @ S0
+    S = None
+    if need_state:
+        S = phi_k.transpose(-1, -2) @ v_aug
+        S = S if S0 is None else S0 + S
+    return out_aug, S
+
+
+def recurrent_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The RNN view: one :func:`step_features` per token (slow in Python; the test oracle)."""
+    B, H, T, M = phi_k.shape
+    S = S0 if S0 is not None else phi_k.new_zeros(B, H, M, v_aug.shape[-1])
+    outs = []
+    for t in range(T):
+        out_t, S = step_features(phi_q[:, :, t], phi_k[:, :, t], v_aug[:, :, t], S)
+        outs.append(out_t)
+    return torch.stack(outs, dim=2), S                   # (B, H, T, Dv + 1)

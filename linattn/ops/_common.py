@@ -1,0 +1,203 @@
+"""The pieces the operator families share (private): validation, chunking, the scan, range sums.
+
+See :mod:`linattn.ops` for the families and the ideas their chunk forms share.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .._numerics import all_finite, compiling, no_autocast
+from ..feature_maps import resolve_feature_map
+
+METHODS = ("auto", "chunk", "recurrent")
+
+Result = Union[Tensor, tuple[Tensor, Tensor]]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+class Prepared:
+    """Checked arguments: features φ(q), φ(k) and v in the accumulation dtype, and the rest."""
+
+    __slots__ = ("q", "k", "v", "S0", "acc", "method", "chunk_size", "return_state")
+
+
+def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state) -> Prepared:
+    _checks.check_qkv(q, k, v, causal=True, causal_only=name)
+    p = Prepared()
+    p.return_state = _checks.check_bool(return_state, "return_state")
+    p.chunk_size = _checks.check_chunk_size(chunk_size)
+    p.method = resolve_method(method)
+    p.acc = _checks.accumulation_dtype(q.dtype)
+    phi = resolve_feature_map(feature_map)
+    _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
+                                     caller=name)
+    with no_autocast(q.device):
+        p.q, p.k = _checks.apply_feature_map(phi, q.to(p.acc), k.to(p.acc))  # (B, H, T, Dk)
+    p.v = v.to(p.acc)                                                       # (B, H, T, Dv)
+    B, H, _, Dk = p.k.shape
+    p.S0 = check_state(initial_state, (B, H, Dk, v.shape[-1]), p.acc, q.device)
+    return p
+
+
+def resolve_method(method) -> str:
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a str, got {_checks.type_name(method)}")
+    name = method.strip().lower()
+    if name not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
+    return "chunk" if name == "auto" else name
+
+
+def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device) -> Optional[Tensor]:
+    """``initial_state`` is None or a floating (B, H, Dk, Dv) tensor on the inputs' device."""
+    if state is None:
+        return None
+    if not isinstance(state, Tensor):
+        raise TypeError(
+            f"initial_state must be a torch.Tensor S of shape (B, H, Dk, Dv) = {_checks.shape_str(expected)} "
+            f"or None, got {_checks.type_name(state)} (a LinearAttentionState belongs to linear_attention)"
+        )
+    if not state.is_floating_point():
+        raise TypeError(f"initial_state must be a floating-point tensor, got dtype {state.dtype}")
+    if tuple(state.shape) != expected:
+        raise ValueError(
+            f"initial_state must have shape (B, H, Dk, Dv) = {_checks.shape_str(expected)} "
+            f"(Dk: key features after feature_map), got {_checks.shape_str(state.shape)}"
+        )
+    if state.device != device:
+        raise ValueError(f"initial_state is on {state.device} but the inputs are on {device}")
+    return state.to(acc)
+
+
+def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor, extra: str = "") -> None:
+    """``x`` is a tensor of shape ``expected`` with q's dtype and device."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout} = {_checks.shape_str(expected)}, "
+                        f"got {_checks.type_name(x)}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.dtype != q.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}; they must match")
+    if tuple(x.shape) != expected:
+        raise ValueError(
+            f"{name} must have shape {layout} = {_checks.shape_str(expected)}{extra}, "
+            f"got {_checks.shape_str(x.shape)}"
+        )
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+
+
+def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
+         chunk: Callable[[bool], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The chosen algorithm; the chunk form keeps non-finite values causal.
+
+    A NaN or infinity in a later value or key of a chunk would reach the earlier rows
+    through the chunk's masked products (``0 · NaN = NaN``); it also makes the final state
+    non-finite. So the chunk form runs as usual, and only if its final state is not finite
+    again with its masked products done by :func:`linattn._numerics.masked_matmul` (always
+    so under ``torch.compile`` and ``torch.func``, where the check cannot branch).
+    """
+    if p.method == "recurrent":
+        return recurrent()
+    always_safe = compiling()
+    out, S = chunk(always_safe)
+    if not always_safe and not all_finite(S):
+        out, S = chunk(True)
+    return out, S
+
+
+def finish(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: bool) -> Result:
+    out = out.to(dtype)
+    return (out, S) if return_state else out
+
+
+
+# --------------------------------------------------------------------------- recurrent forms
+
+
+def zeros_state(k: Tensor, v: Tensor, S0: Optional[Tensor]) -> Tensor:
+    B, H, _, Dk = k.shape
+    return S0 if S0 is not None else k.new_zeros(B, H, Dk, v.shape[-1])
+
+
+def read(q_t: Tensor, S: Tensor) -> Tensor:
+    """``S_tᵀ q_t``: (B, H, Dk) and (B, H, Dk, Dv) -> (B, H, Dv)."""
+    return (q_t.unsqueeze(-2) @ S).squeeze(-2)
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+def to_chunks(x: Tensor, N: int, C: int) -> Tensor:
+    """(B, H, T, ·) -> (B, H, N, C, ·), zero-padding the tail of a ragged last chunk."""
+    T = x.shape[2]
+    if N * C != T:
+        x = F.pad(x, (0, 0, 0, N * C - T))
+    return x.reshape(*x.shape[:2], N, C, x.shape[-1])
+
+
+def from_chunks(x: Tensor, T: int) -> Tensor:
+    """(B, H, N, C, ·) -> (B, H, T, ·), dropping the padding."""
+    x = x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+    return x if x.shape[2] == T else x[:, :, :T]
+
+
+def scan(S0: Tensor, step: Callable[..., Tensor], *per_chunk: Tensor) -> tuple[Tensor, Tensor]:
+    """States before each chunk (B, H, N, Dk, Dv) and after the last, by ``S <- step(S, *x[:, :, n])``.
+
+    The per-chunk tensors ``(B, H, N, ...)`` are split with ``unbind`` once: indexing
+    ``x[:, :, n]`` inside the loop would make autograd write a zero tensor of ``x``'s full
+    size for every chunk in the backward pass (``T/C`` times the size of ``x``).
+    """
+    S, before = S0, []
+    for xs in zip(*(x.unbind(2) for x in per_chunk)):
+        before.append(S)
+        S = step(S, *xs)
+    return torch.stack(before, dim=2), S
+
+
+def num_chunks(T: int, chunk_size: int) -> tuple[int, int]:
+    C = min(chunk_size, T)           # a chunk longer than the sequence would only add padding
+    return C, -(-T // C)
+
+
+class SegmentSums:
+    """0/1 matrices that sum log-gates over index ranges, by matmul along the token axis.
+
+    A matmul with a 0/1 matrix adds exactly the terms of each range (the zeros add
+    nothing), so every range sum is computed from its own terms: exact to rounding, with
+    no difference of two cumulative sums, and an empty range is a constant 0 that does
+    not depend on the gates (so no gradient flows through a factor of exactly 1). This is
+    the "segsum" of Mamba-2 (Dao & Gu, 2024), written as matmuls, which on the CPU run
+    several times faster than a cumulative sum along a strided axis.
+
+    With ``L`` tokens per sub-chunk, ``n`` sub-chunks and ``Cp = n·L`` tokens per chunk:
+
+    - ``inclusive`` ``(L, L)``: ``r <= t``; ``after`` ``(L, L)``: ``r > s`` (to the sub-chunk's end);
+    - ``between`` ``(n·n, n)``: row ``(i, j)`` sums the sub-chunks ``m`` with ``j < m < i``;
+    - ``earlier`` ``(n, n, 1, 1)`` 0/1: ``j < i``;
+    - ``earlier_total`` ``(n, n)``: sub-chunks ``m < i``; ``later_total`` ``(n, n)``: ``m > j``;
+    - ``earlier_tokens`` ``(n·L, n·L)`` 0/1: the sub-chunk of ``s`` is before that of ``t``.
+    """
+
+    def __init__(self, L: int, n: int, dtype: torch.dtype, device) -> None:
+        def tri(size: int, diagonal: int, upper: bool = False) -> Tensor:
+            ones = torch.ones(size, size, dtype=dtype, device=device)
+            return ones.triu(diagonal) if upper else ones.tril(diagonal)
+
+        self.inclusive = tri(L, 0)
+        self.after = tri(L, 1, upper=True)
+        i, j, m = (torch.arange(n, device=device).view(*shape) for shape in ((n, 1, 1), (1, n, 1), (1, 1, n)))
+        self.between = ((j < m) & (m < i)).to(dtype).view(n * n, n)
+        self.earlier = (j < i).to(dtype).view(n, n, 1, 1)
+        self.earlier_total = tri(n, -1)
+        self.later_total = tri(n, 1, upper=True)
+        # (n·L, n·L) 0/1: token s lies in an earlier sub-chunk than token t (the off-diagonal blocks)
+        self.earlier_tokens = self.earlier.view(n, n).repeat_interleave(L, 0).repeat_interleave(L, 1)

@@ -1,0 +1,140 @@
+"""The delta rule (DeltaNet): each token corrects what the state recalls for its key.
+
+``S_t = S_{t-1} + β_t φ(k_t) (v_t − S_{t-1}ᵀ φ(k_t))ᵀ``, ``o_t = S_tᵀ φ(q_t)`` (Schlag, Irie &
+Schmidhuber, 2021, arXiv:2102.11174), trained chunkwise through the WY / UT representation
+(Yang, Wang, Zhang, Shen & Kim, 2024, arXiv:2406.06484, sec. 3). The recurrent form is the oracle.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ._common import (Result, check_like_q, finish, from_chunks, num_chunks, prepare, read, run, scan, to_chunks,
+                        zeros_state)
+from .._numerics import masked_matmul, no_autocast
+from ..feature_maps import FeatureMap
+
+__all__ = ['delta_rule']
+
+
+def delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    method: str = "auto",
+    chunk_size: int = 64,
+    feature_map: Union[str, FeatureMap, None] = None,
+    initial_state: Optional[Tensor] = None,
+    return_state: bool = False,
+) -> Result:
+    """The delta rule (DeltaNet): each token corrects what the state recalls for its key.
+
+    The delta-rule update of Schlag, Irie & Schmidhuber (2021, arXiv:2102.11174), trained
+    chunkwise as in Yang, Wang, Zhang, Shen & Kim (2024, arXiv:2406.06484, sec. 3)::
+
+        S_t = S_{t-1} + β_t φ(k_t) (v_t − S_{t-1}ᵀ φ(k_t))ᵀ,      o_t = S_tᵀ φ(q_t)
+
+    i.e. ``S_t = (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``: the value stored under ``k_t``
+    moves a fraction ``β_t`` of the way to ``v_t``. With ``β_t = 0`` the state is unchanged.
+
+    **Keys are usually L2-normalised** (``torch.nn.functional.normalize(k, dim=-1)``):
+    then ``I − β_t k_t k_tᵀ`` has norm ``<= 1`` for ``β_t`` in ``[0, 2]`` and the recurrence
+    is stable. This function does *not* normalise: with large keys the state can grow
+    without bound (and the chunk and recurrent forms then disagree by rounding that has
+    grown too). A ``feature_map`` is applied to ``q`` and ``k`` before anything else, so a
+    map that should end with a normalisation must include it.
+
+    Chunk form (the WY / UT-transform representation of Yang et al. 2024b, sec. 3):
+    inside a chunk with start state ``S``, write ``S_t = S + Σ_{s<=t} k_s u_sᵀ``; the
+    pseudo-values ``u`` solve the unit lower-triangular system
+    ``(I + tril(diag(β) K Kᵀ, −1)) U = diag(β) (V − K S)``, so ``U = Ũ − W S`` with
+    ``[W, Ũ] = (I + tril(diag(β) K Kᵀ, −1))⁻¹ diag(β) [K, V]`` (one
+    ``torch.linalg.solve_triangular`` per chunk, all chunks at once, differentiable).
+    Then ``O = (Q − A W) S + A Ũ`` with ``A = tril(Q Kᵀ)``, and the next chunk starts
+    from ``(I − Kᵀ W) S + Kᵀ Ũ``.
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, T, D)`` queries and keys (see the note on normalising keys).
+    v : Tensor
+        ``(B, H, T, Dv)`` values.
+    beta : Tensor
+        ``(B, H, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
+    method, chunk_size, feature_map, initial_state, return_state
+        As in :func:`retention`.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
+    state : Tensor
+        Only if ``return_state``: ``(B, H, Dk, Dv)``, float32 (float64 for float64 inputs).
+
+    Raises
+    ------
+    TypeError
+        As :func:`retention`; a ``beta`` that is not a tensor or has another dtype than ``q``.
+    ValueError
+        As :func:`retention`; ``beta`` of the wrong shape, on another device, or with an
+        entry outside ``[0, 2]`` (NaN included).
+    """
+    p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    B, H, T, _ = p.k.shape
+    check_like_q(beta, "beta", (B, H, T), "(batch, heads, seq)", q)
+    _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
+    with no_autocast(q.device):
+        beta = beta.to(p.acc)
+        out, S = run(p, lambda: _delta_recurrent(p.q, p.k, p.v, beta, p.S0),
+                      lambda safe: _delta_chunk(p.q, p.k, p.v, beta, p.S0, p.chunk_size, safe))
+    return finish(out, S, q.dtype, p.return_state)
+
+
+# --------------------------------------------------------------------------- the two forms
+
+
+def _delta_recurrent(q, k, v, beta, S0):
+    """``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ`` token by token."""
+    S = zeros_state(k, v, S0)
+    outs = []
+    for t in range(k.shape[2]):
+        k_t = k[:, :, t]                                                 # (B, H, Dk)
+        u = beta[:, :, t].unsqueeze(-1) * (v[:, :, t] - read(k_t, S))  # (B, H, Dv)
+        S = torch.addcmul(S, k_t.unsqueeze(-1), u.unsqueeze(-2))
+        outs.append(read(q[:, :, t], S))
+    return torch.stack(outs, dim=2), S
+
+
+def _delta_chunk(q, k, v, beta, S0, chunk_size, safe=False):
+    """Chunkwise delta rule through the WY / UT representation (see :func:`delta_rule`).
+
+    Padded tokens have ``k = v = q = 0`` and ``β = 0``: they leave the state unchanged.
+    """
+    B, H, T, Dk = k.shape
+    C, N = num_chunks(T, chunk_size)
+    qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
+    bc = to_chunks(beta.unsqueeze(-1), N, C)                          # (B, H, N, C, 1)
+    eye_C = torch.eye(C, dtype=q.dtype, device=q.device)
+    kb = kc * bc                                                       # diag(β) K
+    T_mat = eye_C + (kb @ kc.transpose(-1, -2)).tril(-1)               # I + tril(diag(β) K Kᵀ, −1)
+    rhs = torch.cat([kb, vc * bc], dim=-1)                             # diag(β) [K, V]
+    sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
+    W, U_tilde = sol[..., :Dk], sol[..., Dk:]                          # (B, H, N, C, Dk), (..., Dv)
+    A = (qc @ kc.transpose(-1, -2)).tril()                             # (B, H, N, C, C)
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
+        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
+        AW, AU = masked_matmul(A, W, causal), masked_matmul(A, U_tilde, causal)
+    else:
+        AW, AU = A @ W, A @ U_tilde
+    q_eff = qc - AW                                                    # O = q_eff S + A Ũ
+    kt = kc.transpose(-1, -2)
+    transition = torch.eye(Dk, dtype=q.dtype, device=q.device) - kt @ W   # (B, H, N, Dk, Dk)
+    G = kt @ U_tilde                                                   # (B, H, N, Dk, Dv)
+    S_before, S = scan(zeros_state(k, v, S0), lambda S, tr, g: tr @ S + g, transition, G)
+    out = AU + q_eff @ S_before                                        # (B, H, N, C, Dv)
+    return from_chunks(out, T), S

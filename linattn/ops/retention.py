@@ -1,0 +1,189 @@
+"""Retention (RetNet): causal linear attention whose state decays by a fixed ``γ`` per head.
+
+``S_t = γ S_{t-1} + φ(k_t) v_tᵀ``, ``o_t = S_tᵀ φ(q_t)`` (Sun et al., 2023, arXiv:2307.08621,
+sec. 2.1). The recurrent form is the oracle; the chunk form uses integer powers of γ only.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ._common import Result, from_chunks, num_chunks, prepare, read, run, scan, to_chunks, zeros_state, finish
+from .._numerics import masked_matmul, no_autocast
+from ..feature_maps import FeatureMap
+
+__all__ = ['retention']
+
+
+def retention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gamma: Union[float, Tensor],
+    *,
+    method: str = "auto",
+    chunk_size: int = 64,
+    feature_map: Union[str, FeatureMap, None] = None,
+    initial_state: Optional[Tensor] = None,
+    return_state: bool = False,
+) -> Result:
+    """Retention: causal linear attention whose state decays by a fixed ``γ`` per head.
+
+    The recurrent representation of retention (Sun et al., 2023, arXiv:2307.08621,
+    sec. 2.1), without RetNet's rotation, normalisation and group norm::
+
+        S_t = γ S_{t-1} + φ(k_t) v_tᵀ,      o_t = S_tᵀ φ(q_t)
+
+    equivalently ``o_t = Σ_{s<=t} γ^{t-s} φ(q_t)ᵀφ(k_s) v_s`` (+ ``γ^t φ(q_t)ᵀ S0``). With
+    ``γ = 1`` this is ``linear_attention(q, k, v, feature_map=..., causal=True,
+    normalize=False)``. RetNet itself uses ``φ = identity`` (``feature_map=None``, the
+    default) and a different ``γ`` in each head.
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, T, D)`` queries and keys, floating point, same dtype and device.
+    v : Tensor
+        ``(B, H, T, Dv)`` values.
+    gamma : float or Tensor
+        The decay ``γ`` in ``(0, 1]``: one Python float for every head, or a tensor of
+        shape ``(H,)`` (one per head, any floating dtype, on the inputs' device; it is
+        differentiable). A 0-d tensor is refused: pass ``float(gamma)``.
+    method : str
+        ``"auto"`` (= ``"chunk"``), ``"chunk"`` or ``"recurrent"``; case-insensitive.
+    chunk_size : int
+        Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it.
+    feature_map : str, callable or None
+        φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
+        (the default) uses them as given.
+    initial_state : Tensor, optional
+        ``(B, H, Dk, Dv)``, the state ``S0`` before the first token (``Dk = D``, or the
+        feature dimension of φ), for instance the state returned by an earlier call.
+    return_state : bool
+        Also return the state after the last token.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, T, Dv)`` in the dtype of ``q``. Computed in float32 for float16/bfloat16
+        inputs (float64 for float64).
+    state : Tensor
+        Only if ``return_state``: ``(B, H, Dk, Dv)`` in float32 (float64 for float64
+        inputs). Resuming from it with the rest of a sequence equals one run.
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a ``gamma`` that is neither a real
+        number nor a floating tensor; a non-str method; a non-int chunk size; a non-bool
+        flag; an ``initial_state`` that is not a floating tensor.
+    ValueError
+        Wrong ranks or shapes, an empty dimension; ``gamma`` outside ``(0, 1]``, not finite,
+        or a tensor not of shape ``(H,)`` or on another device; an unknown method;
+        ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; features of
+        another shape or device than their inputs; a position-dependent feature map
+        (cosFormer) with ``initial_state`` or without a fixed ``max_len``. Under
+        ``torch.compile`` the checks of tensor values (``gamma``, ``log_g``, ``beta``) run
+        inside the graph and raise RuntimeError with the same message.
+
+    Notes
+    -----
+    Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
+    an output before ``t`` (in both methods). Autocast is switched off inside: the
+    computation keeps the dtypes above under ``torch.autocast``.
+    """
+    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    with no_autocast(q.device):
+        gamma_t = _check_gamma(gamma, q, p.acc)
+        out, S = run(p, lambda: _retention_recurrent(p.q, p.k, p.v, gamma_t, p.S0),
+                      lambda safe: _retention_chunk(p.q, p.k, p.v, gamma_t, p.S0, p.chunk_size, safe))
+    return finish(out, S, q.dtype, p.return_state)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_gamma(gamma, q: Tensor, acc: torch.dtype) -> Tensor:
+    """``γ`` as an (H,) tensor in ``acc`` on q's device (differentiable if ``gamma`` is)."""
+    H = q.shape[1]
+    if isinstance(gamma, Tensor):
+        if not gamma.is_floating_point():
+            raise TypeError(f"gamma must be a float or a floating-point tensor, got dtype {gamma.dtype}")
+        if tuple(gamma.shape) != (H,):
+            raise ValueError(
+                f"gamma must be a float or a tensor of shape (heads,) = ({H},), got shape "
+                f"{_checks.shape_str(gamma.shape)}"
+                + (" (for one value for all heads pass float(gamma))" if gamma.dim() == 0 else "")
+            )
+        if gamma.device != q.device:
+            raise ValueError(f"gamma is on {gamma.device} but q is on {q.device}")
+        _checks.check_values((gamma > 0) & (gamma <= 1), "gamma", "in (0, 1]", gamma)
+        gamma_t = gamma.to(acc)
+    elif isinstance(gamma, numbers.Real) and not isinstance(gamma, bool):
+        value = float(gamma)
+        if not (0 < value <= 1):
+            raise ValueError(f"gamma must be in (0, 1], got {value:g}")
+        gamma_t = torch.full((H,), value, dtype=acc, device=q.device)
+    else:
+        raise TypeError(f"gamma must be a float or a tensor of shape (heads,), got {_checks.type_name(gamma)}")
+    # a positive float64 γ below float32's range
+    _checks.check_values(gamma_t != 0, "gamma", f"a number that does not underflow to 0 in {acc} "
+                         f"(use a gamma >= {torch.finfo(acc).tiny:.3g})", gamma)
+    return gamma_t
+
+
+# --------------------------------------------------------------------------- the two forms
+
+
+def _retention_recurrent(q, k, v, gamma, S0):
+    """``S_t = γ S_{t-1} + k_t v_tᵀ`` token by token; gamma (H,)."""
+    S = zeros_state(k, v, S0)
+    g = gamma.view(1, -1, 1, 1)
+    outs = []
+    for t in range(k.shape[2]):
+        S = torch.addcmul(g * S, k[:, :, t].unsqueeze(-1), v[:, :, t].unsqueeze(-2))
+        outs.append(read(q[:, :, t], S))
+    return torch.stack(outs, dim=2), S
+
+
+def _retention_chunk(q, k, v, gamma, S0, chunk_size, safe=False):
+    """Chunkwise retention; gamma (H,) in (0, 1].
+
+    Per chunk with ``n`` real tokens (``n = C`` except maybe the last) and ``t, s`` counted
+    from 0 inside it: intra ``D_ts = γ^(t−s)`` for ``s <= t``; a query reads the state with
+    ``γ^(t+1)``; a key enters the next state with ``γ^(n−1−s)``; the state decays by ``γ^n``.
+    Every factor is ``γ`` to a non-negative integer power, computed by ``torch.pow``, whose
+    gradient ``m γ^(m−1)`` is formed directly: no ``exp`` of a positive number, and no
+    ``(1/γ)`` factor that would overflow (``1/γ`` is ``inf`` in float32 for a subnormal
+    ``γ = 1e-45``) or amplify the rounding of ``γ^m`` (as the chain rule through ``log γ``
+    would: ``∂γ^m/∂γ = m γ^m · (1/γ)``).
+    """
+    B, H, T, Dk = k.shape
+    C, N = num_chunks(T, chunk_size)
+    qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
+    dev, acc = q.device, q.dtype
+    t = torch.arange(C, device=dev)
+    g3 = gamma.view(H, 1, 1)
+    causal = torch.ones(C, C, dtype=acc, device=dev).tril()            # 0/1, (C, C)
+    intra = g3 ** (t[:, None] - t[None, :]).clamp(min=0).to(acc) * causal   # (H, C, C): γ^(t−s), s <= t
+    scores = (qc @ kc.transpose(-1, -2)) * intra.unsqueeze(1)          # (B, H, N, C, C)
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
+        scores = scores.masked_fill(causal == 0, 0.0)
+        out = masked_matmul(scores, vc, causal)                        # (B, H, N, C, Dv)
+    else:
+        out = scores @ vc                                              # (B, H, N, C, Dv)
+
+    n_real = (T - torch.arange(N, device=dev) * C).clamp(max=C)        # (N,) real tokens per chunk
+    pos = torch.minimum(t[None, :] + 1, n_real[:, None])               # (N, C): 1..n, then n on padding
+    q_decay = g3 ** pos.to(acc)                                        # (H, N, C): γ^(t+1)
+    k_decay = g3 ** (n_real[:, None] - pos).to(acc)                    # (H, N, C): γ^(n−1−s), exponent >= 0
+    chunk_decay = gamma.view(H, 1) ** n_real.to(acc)                   # (H, N): γ^n
+    U = (kc * k_decay.unsqueeze(-1)).transpose(-1, -2) @ vc            # (B, H, N, Dk, Dv)
+    S_before, S = scan(zeros_state(k, v, S0), lambda S, d, u: d * S + u,
+                        chunk_decay.view(1, H, N, 1, 1), U)
+    out = out + (qc * q_decay.unsqueeze(-1)) @ S_before                # (B, H, N, C, Dv)
+    return from_chunks(out, T), S
