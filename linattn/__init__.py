@@ -10,6 +10,7 @@ from .recurrent import LinearAttentionState, linear_attention_step
 from .ops.retention import retention
 from .ops.gla import gated_linear_attention
 from .ops.delta import delta_rule
+from .ops.gated_delta import gated_delta_rule
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
 from .layers import (DecodingState, KVCache, LinearAttention, LinearMultiheadAttention, SoftmaxAttention,
                      TransformerBlock, TransformerConfig, TransformerLM)
@@ -24,6 +25,7 @@ __all__ = [
     "retention",
     "gated_linear_attention",
     "delta_rule",
+    "gated_delta_rule",
     "sequence_parallel_linear_attention",
     "ring_softmax_attention",
     "LinearAttentionState",

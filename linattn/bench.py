@@ -898,7 +898,7 @@ def _memory_limit(max_memory_gb: Optional[float], device: torch.device) -> float
 
 # --------------------------------------------------------------------------- decay, gates, delta rule
 
-DECAY_VARIANTS = ("retention", "gla", "delta")
+DECAY_VARIANTS = ("retention", "gla", "delta", "gated_delta", "gated_delta_channel")
 DEFAULT_DECAY_SEQ_LENS = (4096,)
 
 
@@ -907,19 +907,24 @@ def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dty
     """Seeded q, k, v (leaves that require grad) and the variant's decay argument.
 
     retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/16``
-    (GLA's gate with temperature 16); delta: L2-normalised keys and ``β = sigmoid(x)``.
+    (GLA's gate with temperature 16); delta: L2-normalised keys and ``β = sigmoid(x)``;
+    gated_delta (one gate per head) and gated_delta_channel (one per key channel): as delta, with
+    ``log_g = logsigmoid(x)/16``. The decay arguments are returned as a tuple.
     """
     gen = torch.Generator().manual_seed(seed)
     q, k, v, x = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))     # (B, H, T, D)
     if variant == "retention":
-        extra = 1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float64))            # (H,)
+        extra = (1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float64)),)         # (H,)
     elif variant == "gla":
-        extra = F.logsigmoid(x) / 16                                             # (B, H, T, D)
+        extra = (F.logsigmoid(x) / 16,)                                          # (B, H, T, D)
     else:
         k = F.normalize(k, dim=-1)
-        extra = torch.sigmoid(x[..., 0])                                         # (B, H, T)
+        beta = torch.sigmoid(x[..., 0])                                          # (B, H, T)
+        log_g = F.logsigmoid(x.flip(-1)) / 16                                    # (B, H, T, D)
+        extra = {"delta": (beta,), "gated_delta": (log_g[..., 0], beta),
+                 "gated_delta_channel": (log_g, beta)}[variant]
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
-    extra = extra.to(device=device, dtype=torch.float32 if variant == "retention" else dtype)
+    extra = tuple(e.to(device=device, dtype=torch.float32 if variant == "retention" else dtype) for e in extra)
     return q, k, v, extra
 
 
@@ -943,7 +948,9 @@ def run_decay_benchmark(
     """Time the chunkwise and the recurrent forms of the decay family against each other.
 
     For each variant (``retention``: :func:`linattn.retention`, ``gla``:
-    :func:`~linattn.gated_linear_attention`, ``delta``: :func:`~linattn.delta_rule`)
+    :func:`~linattn.gated_linear_attention`, ``delta``: :func:`~linattn.delta_rule`,
+    ``gated_delta`` and ``gated_delta_channel``: :func:`~linattn.gated_delta_rule` with one gate
+    per head or per key channel)
     and each ``T``, both ``method="chunk"`` and ``method="recurrent"`` run on the same
     seeded inputs (``D = Dv = head_dim``): the median forward time under ``torch.no_grad``
     and, with ``backward``, the median forward+backward time (``autograd.grad`` w.r.t.
@@ -979,8 +986,9 @@ def run_decay_benchmark(
         Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``,
         CUDA requested but not available.
     """
-    from .ops import delta, gla, retention
-    decay = {"retention": retention.retention, "gla": gla.gated_linear_attention, "delta": delta.delta_rule}
+    from .ops import delta, gated_delta, gla, retention
+    decay = {"retention": retention.retention, "gla": gla.gated_linear_attention, "delta": delta.delta_rule,
+             "gated_delta": gated_delta.gated_delta_rule, "gated_delta_channel": gated_delta.gated_delta_rule}
 
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype)
@@ -1027,7 +1035,7 @@ def _time_decay(decay, seq_lens, variants, device, dtype, batch, heads, head_dim
                     bar.set_postfix_str(f"{variant} {method} T={T}")
 
                     def call(method=method, variant=variant, q=q, k=k, v=v, extra=extra):
-                        return functions[variant](q, k, v, extra, method=method, chunk_size=chunk_size)
+                        return functions[variant](q, k, v, *extra, method=method, chunk_size=chunk_size)
 
                     def forward(call=call) -> None:
                         with torch.no_grad():

@@ -362,7 +362,8 @@ def test_cosformer_earlier_outputs_do_not_depend_on_the_tokens_after_them():
     torch.testing.assert_close(part, full[:, :, :23], rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("call", ["linear_attention", "retention", "gated_linear_attention", "delta_rule"])
+@pytest.mark.parametrize("call", ["linear_attention", "retention", "gated_linear_attention", "delta_rule",
+                                  "gated_delta_rule"])
 def test_position_dependent_maps_cannot_resume_from_a_state(call):
     """The state does not record how many tokens it has seen: resuming would restart the positions."""
     phi = CosFormerFeatures(max_len=64)
@@ -372,7 +373,8 @@ def test_position_dependent_maps_cannot_resume_from_a_state(call):
         run = lambda: linattn.linear_attention(q, k, v, feature_map=phi, causal=True, initial_state=state)
     else:
         extra = {"retention": (0.9,), "gated_linear_attention": (torch.zeros(1, 2, 12, 2 * D, dtype=q.dtype),),
-                 "delta_rule": (torch.full((1, 2, 12), 0.5, dtype=q.dtype),)}[call]
+                 "delta_rule": (torch.full((1, 2, 12), 0.5, dtype=q.dtype),),
+                 "gated_delta_rule": (torch.zeros(1, 2, 12, dtype=q.dtype), torch.full((1, 2, 12), 0.5, dtype=q.dtype))}[call]
         S0 = torch.zeros(1, 2, 2 * D, D, dtype=q.dtype)
         run = lambda: getattr(linattn, call)(q, k, v, *extra, feature_map=phi, initial_state=S0)
     with pytest.raises(ValueError, match=r"position-dependent feature_map CosFormerFeatures cannot continue from "

@@ -46,6 +46,10 @@ def _decay_calls(q, k, v):
         "gla": lambda q, k, v, m: linattn.gated_linear_attention(q, k, v, log_g, method=m, chunk_size=8),
         "delta": lambda q, k, v, m: linattn.delta_rule(
             q, torch.nn.functional.normalize(k, dim=-1), v, beta, method=m, chunk_size=8),
+        "gated_delta": lambda q, k, v, m: linattn.gated_delta_rule(
+            q, torch.nn.functional.normalize(k, dim=-1), v, log_g[..., 0], beta, method=m, chunk_size=8),
+        "gated_delta_channel": lambda q, k, v, m: linattn.gated_delta_rule(
+            q, torch.nn.functional.normalize(k, dim=-1), v, log_g, beta, method=m, chunk_size=8),
     }
 
 
@@ -71,7 +75,7 @@ def test_linear_attention(method, which, value, where):
             assert not torch.isfinite(dirty[:, :, t]).all()
 
 
-@pytest.mark.parametrize("name", ["retention", "gla", "delta"])
+@pytest.mark.parametrize("name", ["retention", "gla", "delta", "gated_delta", "gated_delta_channel"])
 @pytest.mark.parametrize("method", ["chunk", "recurrent"])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf", "-inf"])

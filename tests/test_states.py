@@ -56,11 +56,12 @@ def test_returned_states_own_their_memory_and_share_one_layout(name, feature_map
     assert st.S.untyped_storage().data_ptr() != st.z.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("name", ["retention", "gated_linear_attention", "delta_rule"])
+@pytest.mark.parametrize("name", ["retention", "gated_linear_attention", "delta_rule", "gated_delta_rule"])
 def test_decay_states_own_their_memory(name):
     q, k, v = _qkv()
     extra = {"retention": (0.9,), "gated_linear_attention": (torch.zeros(B, H, T, D),),
-             "delta_rule": (torch.full((B, H, T), 0.5),)}[name]
+             "delta_rule": (torch.full((B, H, T), 0.5),),
+             "gated_delta_rule": (torch.zeros(B, H, T), torch.full((B, H, T), 0.5))}[name]
     S0 = torch.rand(B, H, D, D)
     for method in ("chunk", "recurrent"):
         _, S = getattr(linattn, name)(q, k, v, *extra, method=method, initial_state=S0, return_state=True)

@@ -13,41 +13,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from ._common import (Result, SegmentSums, check_like_q, finish, from_chunks, num_chunks, prepare, read, run, scan,
-                        to_chunks, zeros_state)
+from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
+                      read, run, scan, subchunk_length, to_chunks, zeros_state)
 from .._numerics import masked_matmul, no_autocast
 from ..feature_maps import FeatureMap
 
 __all__ = ['gated_linear_attention']
-
-
-def gla_subchunk(C: int) -> int:
-    """Sub-chunk length ``L`` of the GLA chunk form: ``min(C, 16)``.
-
-    Each sub-chunk builds its ``(L, L)`` scores row by row (``~L/2 · Dk`` products per
-    token), pairs of sub-chunks of a chunk a ``(C/L, C, Dk)`` tensor per chunk (``(C/L) · Dk``
-    per token). Measured on CPU (1 thread, T = 4096, H = 4, D = 64) at ``C = 64``: ``L = 16``
-    forward 40 ms, ``8`` 45 ms, ``32`` 50 ms, ``4`` 98 ms; forward+backward 155, 196, 206
-    and 274 ms.
-    """
-    return min(C, 16)
-
-
-# The chunk form of GLA clamps log_g from below at this value before summing it over ranges.
-# Without the clamp, float32 sums of accepted log-gates such as -1e38 overflow to -inf, and
-# the 0/1 range-sum matmuls (SegmentSums) then form -inf · 0 = NaN. Why -1000:
-# - exp(-1000) is exactly 0 in float32 (exp underflows to 0 below about -103.97, subnormals
-#   included) and in float64 (below about -745.13), the two dtypes the chunk form computes in.
-#   Every exponent is a sum of non-positive log-gates, and rounding is monotone, so a range
-#   that holds a clamped entry sums to <= -1000 with or without the clamp: its factor is
-#   exactly 0 either way. The result is bit-identical to the unclamped computation whenever
-#   that one did not overflow, i.e. for every realistic input.
-# - A sum of C entries >= -1000 is >= -1000·C, finite in float32 for any C < 3.4e35: no
-#   chunk length can overflow it.
-# - Below the clamp the gradient of log_g is exactly 0 (clamp passes none), as it is in the
-#   recurrent form, where d exp(log_g)/d log_g = exp(log_g) underflows to 0 as well.
-_LOG_G_FLOOR = -1000.0
-
 
 
 def gated_linear_attention(
@@ -147,84 +118,36 @@ def _gla_chunk(q, k, v, log_g, S0, chunk_size, safe=False):
 
     Every decay factor is a product of the gates ``g_r`` between two tokens (inside a
     sub-chunk), or of exps of *sums* of the log-gates over disjoint ranges, each computed
-    directly as such (by matmul with a 0/1 matrix, see :class:`linattn.ops._common.SegmentSums`), never as the
-    difference ``b_t − b_s`` of two cumulative sums. So every exponent is ``<= 0``; a
-    factor of exactly 1 (``s = t``, or the token just before a boundary) does not depend
-    on ``log_g`` at all; and the gradient of ``log_g`` is a sum of terms that each carry
-    their decay factor, with no cancellation of large terms (a difference of cumulative
-    sums makes the gradient of a gate of ``1e-12`` pure rounding noise in float32). A
-    product of such factors may underflow to 0 where the exact value is below float32's
-    range; so would the exact factor.
+    directly as such (:class:`linattn.ops._common.ChunkDecay`), never as the difference
+    ``b_t − b_s`` of two cumulative sums. So every exponent is ``<= 0``; a factor of exactly
+    1 (``s = t``, or the token just before a boundary) does not depend on ``log_g`` at all;
+    and the gradient of ``log_g`` is a sum of terms that each carry their decay factor, with
+    no cancellation of large terms (a difference of cumulative sums makes the gradient of a
+    gate of ``1e-12`` pure rounding noise in float32). A product of such factors may
+    underflow to 0 where the exact value is below float32's range; so would the exact factor.
 
-    Rough cost per token and head: ``Dk`` exps for the gates and a few more for the range
-    sums; ``~L/2 · Dk`` products for the sub-chunk scores; ``(C/L) · Dk`` products for the
-    pairs of sub-chunks; matmuls of plain chunked linear attention for the rest. Python
-    loops: ``L`` rows and ``T/C`` chunk states (split with ``unbind``, see :func:`scan`).
+    Per chunk: ``O = A V + (Q ⊙ from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``,
+    with ``A`` the decayed causal scores. Python loops: ``L`` rows and ``T/C`` chunk states
+    (split with ``unbind``, see :func:`linattn.ops._common.scan`).
     """
     B, H, T, Dk = k.shape
-    Dv = v.shape[-1]
-    log_g = log_g.clamp(min=_LOG_G_FLOOR)                              # see _LOG_G_FLOOR
+    log_g = log_g.clamp(min=LOG_G_FLOOR)                               # see LOG_G_FLOOR
     C, N = num_chunks(T, chunk_size)
-    L = gla_subchunk(C)
-    n_sub = -(-C // L)
-    Cp = n_sub * L
+    L = subchunk_length(C)
+    Cp = -(-C // L) * L
 
     def chunks(x: Tensor) -> Tensor:                                   # (B, H, N, Cp, ·)
         x = to_chunks(x, N, C)
         return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
 
     qc, kc, vc, gc = (chunks(x) for x in (q, k, v, log_g))
-    sums = SegmentSums(L, n_sub, q.dtype, q.device)
-    sub = (B, H, N, n_sub, L)
-    q_s, k_s, v_s, g_s = qc.view(*sub, Dk), kc.view(*sub, Dk), vc.view(*sub, Dv), gc.view(*sub, Dk)
-
-    # Diagonal sub-chunk blocks, row by row: W_t = [W_{t-1} ⊙ g_t ; k_t] holds the keys s <= t
-    # of the sub-chunk decayed to t, k_s ⊙ Π_{s<r<=t} g_r (a product of the gates in the range,
-    # each g_r = exp(log_g_r) <= 1: no exp of a positive number, no difference of sums, and
-    # autograd differentiates it by multiplications only). Row t of the scores is W_t q_t.
-    # (The tokens are split with unbind once: slicing inside the loop would make autograd
-    # write a zero tensor of the full size for every slice in the backward pass.)
-    gates, k_t, q_t = (x.unsqueeze(-2).unbind(-3) for x in (g_s.exp(), k_s, q_s))  # L × (B, H, N, n_sub, 1, Dk)
-    W = k_t[0]                                                         # (B, H, N, n_sub, 1, Dk)
-    rows = [F.pad((W * q_t[0]).sum(-1), (0, L - 1))]                   # row 0: (B, H, N, n_sub, L)
-    for t in range(1, L):
-        W = torch.cat([W * gates[t], k_t[t]], dim=-2)                  # (B, H, N, n_sub, t+1, Dk)
-        rows.append(F.pad((W * q_t[t]).sum(-1), (0, L - 1 - t)))       # (B, H, N, n_sub, L)
-    A_diag = torch.stack(rows, dim=-2)                                 # (B, H, N, n_sub, L(t), L(s))
-    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
-        out = masked_matmul(A_diag, v_s, sums.inclusive).view(B, H, N, Cp, Dv)
+    decay = ChunkDecay(gc, L)
+    A = decay.scores(qc, kc, safe=safe)                                # (B, H, N, Cp, Cp)
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see run)
+        out = masked_matmul(A, vc, torch.ones(Cp, Cp, dtype=q.dtype, device=q.device).tril())
     else:
-        out = (A_diag @ v_s).view(B, H, N, Cp, Dv)
-
-    # Every other factor exp(Σ_{s<r<=t} log_g_r) (s before the sub-chunk of t) is a product
-    # of exps of non-positive range sums over disjoint ranges: exp(Σ_{s<r<=e}) to the end e of
-    # the key's sub-chunk (one per token), exp(Σ of the totals of the sub-chunks strictly in
-    # between) (one per pair of sub-chunks, or per sub-chunk and chunk boundary) and
-    # exp(Σ_{r_i<r<=t}) from the start of the query's sub-chunk (one per token). So only
-    # T·Dk exps are per token, besides the gates, and no exponent is ever positive.
-    q_rel = q_s * (sums.inclusive @ g_s).exp()                         # (B, H, N, n_sub, L, Dk)
-    k_end = k_s * (sums.after @ g_s).exp()                             # (B, H, N, n_sub, L, Dk)
-    totals = g_s.sum(-2)                                               # (B, H, N, n_sub, Dk)
-
-    # Blocks between sub-chunks of a chunk: key s in sub-chunk j < i, query t in sub-chunk i.
-    # The pair factor is multiplied by 0 for j >= i (an empty sum there: a finite factor 1).
-    if n_sub > 1:
-        between = (sums.between @ totals).view(B, H, N, n_sub, n_sub, 1, Dk)  # [i, j]: Σ_{j<m<i} totals
-        pair = between.exp() * sums.earlier                            # (B, H, N, n_sub(i), n_sub(j), 1, Dk)
-        k_rel = (k_end.unsqueeze(3) * pair).view(B, H, N, n_sub, Cp, Dk)   # (B, H, N, n_sub(i), Cp, Dk)
-        A_off = (q_rel @ k_rel.transpose(-1, -2)).view(B, H, N, Cp, Cp)  # (B, H, N, Cp(t), Cp(s))
-        if safe:
-            A_off = A_off.masked_fill(sums.earlier_tokens == 0, 0.0)
-            out = out + masked_matmul(A_off, vc, sums.earlier_tokens)
-        else:
-            out = out + A_off @ vc
-
-    # Between chunks: a query reads the state with exp(Σ_{r<=t}) (from the chunk's start), a
-    # key enters it with exp(Σ_{s<r<=Cp}) (to the chunk's end), the state decays by the total.
-    q_chunk = (q_rel * (sums.earlier_total @ totals).exp().unsqueeze(-2)).view(B, H, N, Cp, Dk)
-    k_chunk = (k_end * (sums.later_total @ totals).exp().unsqueeze(-2)).view(B, H, N, Cp, Dk)
-    U = k_chunk.transpose(-1, -2) @ vc                                 # (B, H, N, Dk, Dv)
-    chunk_decay = totals.sum(-2).exp().unsqueeze(-1)                   # (B, H, N, Dk, 1)
-    S_before, S = scan(zeros_state(k, v, S0), lambda S, d, u: d * S + u, chunk_decay, U)
-    out = out + q_chunk @ S_before                                     # (B, H, N, Cp, Dv)
+        out = A @ vc                                                   # (B, H, N, Cp, Dv)
+    U = (kc * decay.to_end).transpose(-1, -2) @ vc                     # (B, H, N, Dk, Dv)
+    S_before, S = scan(zeros_state(k, v, S0), lambda S, d, u: d * S + u, decay.total.unsqueeze(-1), U)
+    out = out + (qc * decay.from_start) @ S_before                     # (B, H, N, Cp, Dv)
     return from_chunks(out[:, :, :, :C], T), S

@@ -1,0 +1,234 @@
+"""The gated delta rule (Gated DeltaNet; Kimi Delta Attention with one gate per key channel).
+
+Decay the state, then correct what it recalls for the new key (Yang, Kautz & Hatamizadeh,
+2025, arXiv:2412.06464, eq. 10; with per-channel gates, Kimi Team, 2025, arXiv:2510.26692)::
+
+    S'_t = diag(α_t) S_{t-1},      S_t = S'_t + β_t k_t (v_t − S'_tᵀ k_t)ᵀ,      o_t = S_tᵀ q_t
+
+With one gate per head this is ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``. It is
+one step of online regression: ``S_t`` is ``α_t S_{t-1}`` moved by one gradient step of size
+``β_t`` on ``½‖Sᵀk_t − v_t‖²`` (weight decay ``1 − α_t``, the test-time-training view).
+
+The recurrent form is the oracle. The chunk form generalises the WY / UT representation of the
+delta rule (Yang et al., 2024b, sec. 3) to gates inside the chunk; every decay factor is an
+exp of a range sum of log-gates, ``<= 0`` (never a difference of cumulative sums).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+from .._numerics import masked_matmul, no_autocast
+from ..feature_maps import FeatureMap
+from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
+                      read, run, scan, subchunk_length, to_chunks, zeros_state)
+
+__all__ = ["gated_delta_rule"]
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_g: Tensor,
+    beta: Tensor,
+    *,
+    method: str = "auto",
+    chunk_size: int = 64,
+    feature_map: Union[str, FeatureMap, None] = None,
+    initial_state: Optional[Tensor] = None,
+    return_state: bool = False,
+) -> Result:
+    """The gated delta rule: a decaying state that each token corrects toward its value.
+
+    Per head, with ``α_t = exp(log_g_t)`` (a scalar, or one value per key channel)::
+
+        S'_t = diag(α_t) S_{t-1}
+        S_t  = S'_t + β_t φ(k_t) (v_t − S'_tᵀ φ(k_t))ᵀ           # = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ
+        o_t  = S_tᵀ φ(q_t)
+
+    Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2025, arXiv:2412.06464, eq. 10) uses one gate
+    per head, ``log_g`` of shape ``(B, H, T)``; Kimi Delta Attention (Kimi Team, 2025,
+    arXiv:2510.26692) one per key channel, ``(B, H, T, Dk)``. With ``log_g = 0`` this is
+    :func:`linattn.delta_rule`; with ``β = 0`` the state only decays. There is no hidden
+    scaling of ``q`` (the caller scales, e.g. by ``Dk^-1/2``), and keys are not normalised
+    here: the models L2-normalise ``q`` and ``k`` (then ``I − β_t k_t k_tᵀ`` has eigenvalues
+    ``1`` and ``1 − β_t`` in ``[−1, 1]`` for ``β_t`` in ``[0, 2]``, and the recurrence is stable).
+
+    Chunk form (``method="chunk"``): inside a chunk with start state ``S`` and ``b_t`` the
+    cumulative log-gate from the chunk's start, write ``S_t = diag(e^{b_t}) S + Σ_{s<=t}
+    diag(e^{b_t − b_s}) k_s u_sᵀ``. The pseudo-values solve the unit lower-triangular system
+    ``(I + diag(β) A) U = diag(β) (V − K̃ S)`` with ``A_ts = k_tᵀ diag(e^{b_t − b_s}) k_s``
+    (``s < t``) and ``K̃_t = e^{b_t} ⊙ k_t``, so ``U = Ũ − W S`` with ``[W, Ũ] = (I + diag(β)
+    A)⁻¹ diag(β) [K̃, V]`` (one ``torch.linalg.solve_triangular``, all chunks at once). Then
+    ``O = (Q̃ − P W) S + P Ũ`` with ``P_ts = q_tᵀ diag(e^{b_t − b_s}) k_s`` (``s <= t``) and
+    ``Q̃_t = e^{b_t} ⊙ q_t``, and the next chunk starts from ``(diag(e^{b_C}) − K̂ᵀ W) S +
+    K̂ᵀ Ũ`` with ``K̂_s = e^{b_C − b_s} ⊙ k_s``. Every exponent is a sum of log-gates over its
+    own range, ``<= 0``: a decay strong enough to underflow gives zeros, never ``inf``/NaN
+    (reference code that forms ``e^{b_t} · e^{−b_s}`` overflows at ``log α = −3`` per token
+    and ``C = 64``). Forward and backward (autograd through the chunk form) work for ragged
+    ``T``; float16/bfloat16 inputs compute in float32 with a float32 state.
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, T, D)`` queries and keys, floating point, same dtype and device.
+    v : Tensor
+        ``(B, H, T, Dv)`` values.
+    log_g : Tensor
+        ``log α``, finite and ``<= 0``, same dtype and device as ``q``: ``(B, H, T)`` (one gate
+        per head and token) or ``(B, H, T, Dk)`` (one per key channel; ``Dk`` is the key
+        dimension after ``feature_map``).
+    beta : Tensor
+        ``(B, H, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
+    method : str
+        ``"auto"`` (= ``"chunk"``), ``"chunk"`` or ``"recurrent"``; case-insensitive.
+    chunk_size : int
+        Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it.
+    feature_map : str, callable or None
+        φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
+        (the default) uses them as given.
+    initial_state : Tensor, optional
+        ``(B, H, Dk, Dv)``, the state before the first token.
+    return_state : bool
+        Also return the state after the last token.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs, float64
+        for float64).
+    state : Tensor
+        Only if ``return_state``: ``(B, H, Dk, Dv)``, float32 (float64 for float64 inputs).
+        Resuming from it with the rest of a sequence equals one run.
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a ``log_g`` or ``beta`` that is not a
+        tensor or has another dtype than ``q``; a non-str method; a non-int chunk size; a
+        non-bool flag; an ``initial_state`` that is not a floating tensor.
+    ValueError
+        Wrong ranks or shapes, an empty dimension; ``log_g`` not ``(B, H, T)`` or
+        ``(B, H, T, Dk)``, on another device, with a positive, NaN or infinite entry; ``beta``
+        of the wrong shape or device, or with an entry outside ``[0, 2]``; an unknown method;
+        ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; a
+        position-dependent feature map with ``initial_state`` or without a fixed ``max_len``.
+        Under ``torch.compile`` the checks of tensor values run inside the graph and raise
+        RuntimeError with the same message.
+
+    Notes
+    -----
+    Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
+    an output before ``t`` (in both methods). Autocast is switched off inside.
+    """
+    p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    B, H, T, Dk = p.k.shape
+    if isinstance(log_g, Tensor) and log_g.dim() == 3:
+        check_like_q(log_g, "log_g", (B, H, T), "(batch, heads, seq)", q)
+    else:
+        mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
+        check_like_q(log_g, "log_g", (B, H, T, Dk), "(batch, heads, seq) or (batch, heads, seq, key features)", q,
+                     extra=mapped)
+    check_like_q(beta, "beta", (B, H, T), "(batch, heads, seq)", q)
+    _checks.check_values(torch.isfinite(log_g) & (log_g <= 0), "log_g", "finite and <= 0 (α = exp(log_g) in (0, 1])",
+                         log_g)
+    _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
+    with no_autocast(q.device):
+        per_channel = log_g.dim() == 4
+        log_g = (log_g if per_channel else log_g.unsqueeze(-1)).to(p.acc)          # (B, H, T, Dk or 1)
+        beta = beta.to(p.acc)
+        out, S = run(p, lambda: _gated_delta_recurrent(p.q, p.k, p.v, log_g, beta, p.S0),
+                     lambda safe: _gated_delta_chunk(p.q, p.k, p.v, log_g, beta, p.S0, p.chunk_size, per_channel,
+                                                     safe))
+    return finish(out, S, q.dtype, p.return_state)
+
+
+# --------------------------------------------------------------------------- the two forms
+
+
+def _gated_delta_recurrent(q, k, v, log_g, beta, S0):
+    """Token by token: decay ``S`` by ``α_t`` (per head or per key channel), then the delta step."""
+    S = zeros_state(k, v, S0)
+    outs = []
+    for t in range(k.shape[2]):
+        S = log_g[:, :, t].exp().unsqueeze(-1) * S                      # diag(α_t) S_{t-1}
+        k_t = k[:, :, t]                                                # (B, H, Dk)
+        u = beta[:, :, t].unsqueeze(-1) * (v[:, :, t] - read(k_t, S))  # (B, H, Dv)
+        S = torch.addcmul(S, k_t.unsqueeze(-1), u.unsqueeze(-2))
+        outs.append(read(q[:, :, t], S))
+    return torch.stack(outs, dim=2), S
+
+
+def _scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One gate per head: factors of a chunk from ``g`` ``(B, H, N, C, 1)``, every exponent a range sum.
+
+    Returns ``D`` ``(B, H, N, C, C)`` with ``D[t, s] = exp(Σ_{s<r<=t} g_r)`` for ``s <= t`` and 0
+    above the diagonal, ``from_start`` and ``to_end`` ``(B, H, N, C, 1)`` (``exp(Σ_{r<=t})`` and
+    ``exp(Σ_{s<r})``) and the chunk's total decay ``(B, H, N, 1)``. The ``C·C`` range sums are
+    one matmul with the 0/1 matrix ``[s < r <= t]`` (Mamba-2's segsum, Dao & Gu, 2024).
+    """
+    C = g.shape[-2]
+    r = torch.arange(C, device=g.device)
+    t, s = r.view(C, 1, 1), r.view(1, C, 1)
+    in_range = ((s < r) & (r <= t)).to(g.dtype).view(C * C, C)          # row (t, s): s < r <= t
+    R = (in_range @ g).view(*g.shape[:-2], C, C)                        # (B, H, N, C, C)
+    D = R.exp().masked_fill(~torch.ones(C, C, dtype=torch.bool, device=g.device).tril(), 0.0)
+    ones = torch.ones(C, C, dtype=g.dtype, device=g.device)
+    from_start = (ones.tril() @ g).exp()                                # Σ_{r<=t}
+    to_end = (ones.triu(1) @ g).exp()                                   # Σ_{r>s}
+    return D, from_start, to_end, g.sum(-2).exp()
+
+
+def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel, safe=False):
+    """Chunkwise gated delta rule through the WY / UT representation (see :func:`gated_delta_rule`).
+
+    Padded tokens have ``k = v = q = 0``, ``β = 0`` and ``log_g = 0``: they leave the state unchanged.
+    """
+    B, H, T, Dk = k.shape
+    log_g = log_g.clamp(min=LOG_G_FLOOR)                                # see LOG_G_FLOOR
+    C, N = num_chunks(T, chunk_size)
+    if per_channel:
+        L = subchunk_length(C)
+        Cp = -(-C // L) * L
+    else:
+        Cp = C
+
+    def chunks(x: Tensor) -> Tensor:                                    # (B, H, N, Cp, ·)
+        x = to_chunks(x, N, C)
+        return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
+
+    qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, log_g, beta.unsqueeze(-1)))
+    causal = torch.ones(Cp, Cp, dtype=q.dtype, device=q.device).tril()
+    if per_channel:
+        decay = ChunkDecay(gc, L)
+        P = decay.scores(qc, kc, safe=safe)                             # (B, H, N, Cp, Cp), s <= t
+        A = decay.scores(kc, kc, strict=True, safe=safe)                # s < t
+        from_start, to_end, total = decay.from_start, decay.to_end, decay.total.unsqueeze(-1)  # (…, Dk, 1)
+    else:
+        D, from_start, to_end, total = _scalar_decay(gc)
+        P = (qc @ kc.transpose(-1, -2)) * D
+        A = ((kc @ kc.transpose(-1, -2)) * D).tril(-1)
+        if safe:   # masks by selection: a NaN key of a later token must not reach earlier rows
+            P = P.masked_fill(causal == 0, 0.0)
+        total = total.unsqueeze(-1)                                     # (B, H, N, 1, 1)
+    eye = torch.eye(Cp, dtype=q.dtype, device=q.device)
+    T_mat = eye + bc * A                                                # I + diag(β) A, unit lower
+    rhs = torch.cat([bc * (kc * from_start), bc * vc], dim=-1)          # diag(β) [K̃, V]
+    sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
+    W, U_tilde = sol[..., :Dk], sol[..., Dk:]                           # (…, Cp, Dk), (…, Cp, Dv)
+    if safe:   # keep a NaN/inf of a later token out of earlier rows (see run)
+        PW, PU = masked_matmul(P, W, causal), masked_matmul(P, U_tilde, causal)
+    else:
+        PW, PU = P @ W, P @ U_tilde
+    k_end = (kc * to_end).transpose(-1, -2)                             # K̂ᵀ (…, Dk, Cp)
+    eye_k = torch.eye(Dk, dtype=q.dtype, device=q.device)
+    transition = eye_k * total - k_end @ W                              # diag(e^{b_C}) − K̂ᵀ W, (…, Dk, Dk)
+    G = k_end @ U_tilde                                                 # K̂ᵀ Ũ, (…, Dk, Dv)
+    S_before, S = scan(zeros_state(k, v, S0), lambda S, tr, g: tr @ S + g, transition, G)
+    out = PU + (qc * from_start - PW) @ S_before                        # (B, H, N, Cp, Dv)
+    return from_chunks(out[:, :, :, :C], T), S
