@@ -93,6 +93,17 @@ def _package_repository(dest: pathlib.Path, branch: str) -> str:
     return _git("rev-parse", "HEAD", cwd=dest).strip()
 
 
+def _file_url(path: pathlib.Path) -> str:
+    """``path`` as a ``file://localhost/...`` URL, a form every pip a reader may have accepts.
+
+    The usual ``file:///path`` (empty host) is rejected inside a PEP 508 direct reference
+    (``name @ git+file:///path@rev``) by older pips (23.x, the one ``python3 -m venv`` brings
+    with Python 3.11/3.12): "Invalid requirement". Colab's own URL is ``git+https://host/...``,
+    which every pip parses, so naming the host here keeps the simulation to the same syntax.
+    """
+    return "file://localhost" + path.resolve().as_posix()
+
+
 def _is_linattn(name: str) -> bool:
     return "linattn" in name.lower()
 
@@ -238,8 +249,8 @@ def colab(tmp_path_factory):
         state["probe_no_colab"] = kernel.run("import linattn")
 
         kernel.run("import google.colab")  # what Colab's runtime has imported before the first cell
-        local = cell.replace(f"git+{url}@", f"git+file://{root / 'repo'}@")
-        assert local.count(f"git+file://{root / 'repo'}@{branch}") == 1, f"unexpected install cell:\n{cell}"
+        local = cell.replace(f"git+{url}@", f"git+{_file_url(root / 'repo')}@")
+        assert local.count(f"git+{_file_url(root / 'repo')}@{branch}") == 1, f"unexpected install cell:\n{cell}"
         state["on_colab"] = kernel.run(local, timeout=600)
         # `!cmd` does not raise when cmd fails; IPython keeps its exit status in `_exit_code`.
         state["pip_exit"] = kernel.value("globals().get('_exit_code')")
