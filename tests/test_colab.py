@@ -43,7 +43,8 @@ COLAB_TAG = "colab-install"
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 DEVICE_RE = re.compile(r"cuda|\bGPU\b|nvidia|tesla|geforce|device\(type=", re.I)
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="pip needs git for a git+ URL")
+pytestmark = pytest.mark.skipif(shutil.which("git") is None,
+                                reason="git is not installed (apt-get install git): pip needs it for the cell's git+ URL")
 
 
 EXECUTE = booktools.execute_script()
