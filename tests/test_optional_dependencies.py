@@ -45,9 +45,10 @@ sys.meta_path.insert(0, _Unimportable())
 
 
 def _python_stderr(code: str, *, without: tuple[str, ...] = (), tmp_path: pathlib.Path) -> str:
-    """What a fresh ``python -c code`` prints on stderr, with the packages ``without`` unimportable."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONWARNINGS": "default"}
+    """What a fresh ``python -c code`` prints on stderr, with the packages ``without`` unimportable
+    (Python's default warning filters, as a reader has them)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     source = (_BLOCKER_SOURCE.format(names=without) if without else "") + code
     result = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
