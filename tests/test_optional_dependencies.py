@@ -6,6 +6,7 @@ interpreter for numpy (torch checks for numpy while it is being imported).
 """
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
@@ -32,24 +33,14 @@ class _Unimportable:
         return None
 
 
-# The same finder, as source for a fresh interpreter (`python -c`).
-_BLOCKER_SOURCE = '''
-import sys
-class _Unimportable:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {names!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-sys.meta_path.insert(0, _Unimportable())
-'''
-
-
 def _python_stderr(code: str, *, without: tuple[str, ...] = (), tmp_path: pathlib.Path) -> str:
     """What a fresh ``python -c code`` prints on stderr, with the packages ``without`` unimportable
     (Python's default warning filters, as a reader has them)."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    source = (_BLOCKER_SOURCE.format(names=without) if without else "") + code
+    # The same finder, defined and installed first in the fresh interpreter.
+    blocker = f"import sys\n{inspect.getsource(_Unimportable)}\nsys.meta_path.insert(0, _Unimportable(*{without!r}))\n"
+    source = (blocker if without else "") + code
     result = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

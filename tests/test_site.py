@@ -34,7 +34,7 @@ MathJax: the book is built twice, as published and as read offline.
 ``test_the_checks_catch_a_broken_page`` runs the same checks on a deliberately broken page,
 so that none of them passes vacuously.
 
-A full-page screenshot of every page and a ``summary.json`` with the counts are written to
+A full-page screenshot of every page of the published build and a ``summary.json`` with the counts are written to
 ``_build/test-artifacts/site`` (or ``$LINATTN_SITE_ARTIFACTS``).
 
 Skipped, with the reason, where Chromium (``/usr/bin/chromium`` or ``$LINATTN_CHROMIUM``),
@@ -351,9 +351,10 @@ def crawl_site(sync_playwright, html_dir: pathlib.Path, server: str, artifacts: 
             f"the pages load {script_rel} from the CDN; the local copy {MATHJAX_DIR} lacks it")
 
     # Fresh artefacts: drop the screenshots of an earlier run (only the files this test writes).
-    artifacts.mkdir(parents=True, exist_ok=True)
-    for old in [*artifacts.glob("*.png"), artifacts / "summary.json"]:
-        old.unlink(missing_ok=True)
+    if screenshots:
+        artifacts.mkdir(parents=True, exist_ok=True)
+        for old in [*artifacts.glob("*.png"), artifacts / "summary.json"]:
+            old.unlink(missing_ok=True)
 
     blocked: list[str] = []
     mathjax_served: list[str] = []
@@ -438,7 +439,7 @@ def crawl(browser_tools, built_site, server):
 def offline_crawl(browser_tools, offline_site):
     """Every page of the offline build, opened from file:// with every other request refused."""
     html_dir, _ = offline_site
-    return crawl_site(browser_tools, html_dir, html_dir.as_uri() + "/", ARTIFACTS / "offline",
+    return crawl_site(browser_tools, html_dir, html_dir.as_uri() + "/", ARTIFACTS / "offline",  # no screenshots
                       colab_prefix=_config()["launch_buttons"]["colab_url"].rstrip("/") + "/", screenshots=False)
 
 
