@@ -1,6 +1,7 @@
 """Small helpers shared by the package and the book: seeding, device choice, figure style."""
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import os
@@ -63,6 +64,19 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _matplotlib(module: str, caller: str):
+    """``importlib.import_module(module)`` for a matplotlib module, or an ImportError that says
+    how to install matplotlib (an optional dependency: the ``plot`` extra of ``linattn``)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] != "matplotlib":
+            raise  # matplotlib is there but something it needs is not: its own message says what
+        raise ImportError(
+            f"linattn.{caller}() needs matplotlib, an optional dependency of linattn: "
+            f'pip install "linattn[plot]" (or pip install matplotlib)', name="matplotlib") from err
+
+
 def use_book_style() -> None:
     """Apply the book's matplotlib style (one look for every figure in every chapter).
 
@@ -72,11 +86,10 @@ def use_book_style() -> None:
     Raises
     ------
     ImportError
-        If matplotlib is not installed (it is an optional dependency of ``linattn``).
+        If matplotlib is not installed (it is an optional dependency of ``linattn``: install it
+        with ``pip install "linattn[plot]"``); the message says so.
     """
-    import matplotlib as mpl
-
-    mpl.rcParams.update(
+    _matplotlib("matplotlib", "use_book_style").rcParams.update(
         {
             "figure.figsize": (6.4, 3.6),
             "figure.dpi": 110,
@@ -125,8 +138,10 @@ def book_figure(nrows: int = 1, ncols: int = 1, *, height: float | None = None, 
         is not a real number (the message names the argument and what it got).
     ValueError
         If ``nrows`` or ``ncols`` is below 1, or ``height`` is not finite and positive.
+    ImportError
+        If matplotlib is not installed (``pip install "linattn[plot]"``).
     """
-    import matplotlib.pyplot as plt
+    plt = _matplotlib("matplotlib.pyplot", "book_figure")
 
     if "figsize" in subplots_kw:
         raise TypeError("book_figure() sets figsize itself (the column width); pass height= instead")
@@ -261,9 +276,11 @@ def finish_figure(fig_or_ax, *, title: str | None = None, xlabel: str | None = N
         Naming what is missing: an axes without an x or y label, a figure without a title,
         or text smaller than ``MIN_FONT_PT`` at the column width (naming the smallest text,
         and saying whether to narrow the figure or to raise the font size).
+    ImportError
+        If matplotlib is not installed (``pip install "linattn[plot]"``).
     """
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+    Axes = _matplotlib("matplotlib.axes", "finish_figure").Axes
+    Figure = _matplotlib("matplotlib.figure", "finish_figure").Figure
 
     if isinstance(fig_or_ax, Axes):
         ax, fig = fig_or_ax, fig_or_ax.figure

@@ -1,4 +1,7 @@
 """The fast chunkwise path (method="chunk"): autograd behaviour, memory, mixed precision."""
+import sys
+import warnings
+
 import pytest
 import torch
 
@@ -103,20 +106,33 @@ def test_float16_at_65536_tokens_is_finite(causal):
 def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
     # On CUDA the Triton kernel runs automatically; it has not been exercised on every GPU, so a
     # kernel that fails to compile or launch must not take linear_attention down with it.
+    # Triton is optional: this test must run without it, so it is made unimportable here and the
+    # broken kernel is put straight into the module's namespace (monkeypatch.setattr would read
+    # the old value first, and kernels.__getattr__ resolves that name by importing Triton).
     from linattn import attention, kernels
 
+    calls = []
+
     def broken_kernel(*args, **kwargs):
+        calls.append(args)
         raise RuntimeError("out of shared memory (simulated)")
 
+    monkeypatch.setitem(sys.modules, "triton", None)   # `import triton` raises ImportError
+    monkeypatch.setitem(vars(kernels), "chunk_linear_attention_triton", broken_kernel)
     monkeypatch.setattr(attention, "_fused_kernel_applies", lambda phi_q, chunk_size: not attention._FUSED_KERNEL_FAILURE)
-    monkeypatch.setattr(kernels, "chunk_linear_attention_triton", broken_kernel, raising=False)
     monkeypatch.setattr(attention, "_FUSED_KERNEL_FAILURE", [])
     q, k, v = _qkv(1, 2, 40, 8, 8, dtype=torch.float32)
+    ref = linattn.linear_attention(q, k, v, causal=True, method="quadratic")
     with pytest.warns(RuntimeWarning, match="fused Triton kernel failed"):
         out = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
-    ref = linattn.linear_attention(q, k, v, causal=True, method="quadratic")
+    assert len(calls) == 1, "the fused kernel was not tried"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert attention._FUSED_KERNEL_FAILURE  # remembered: no second attempt, no second warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
+    assert len(calls) == 1, "the failed kernel was tried again"
+    torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):

@@ -43,7 +43,8 @@ COLAB_TAG = "colab-install"
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 DEVICE_RE = re.compile(r"cuda|\bGPU\b|nvidia|tesla|geforce|device\(type=", re.I)
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="pip needs git for a git+ URL")
+pytestmark = pytest.mark.skipif(shutil.which("git") is None,
+                                reason="git is not installed (apt-get install git): pip needs it for the cell's git+ URL")
 
 
 EXECUTE = booktools.execute_script()
@@ -91,6 +92,17 @@ def _package_repository(dest: pathlib.Path, branch: str) -> str:
     _git("-c", "user.name=test", "-c", "user.email=test@example.invalid", "commit", "-q", "-m", "package",
          cwd=dest)
     return _git("rev-parse", "HEAD", cwd=dest).strip()
+
+
+def _file_url(path: pathlib.Path) -> str:
+    """``path`` as a ``file://localhost/...`` URL, a form every pip a reader may have accepts.
+
+    The usual ``file:///path`` (empty host) is rejected inside a PEP 508 direct reference
+    (``name @ git+file:///path@rev``) by older pips (23.x, the one ``python3 -m venv`` brings
+    with Python 3.11/3.12): "Invalid requirement". Colab's own URL is ``git+https://host/...``,
+    which every pip parses, so naming the host here keeps the simulation to the same syntax.
+    """
+    return "file://localhost" + path.resolve().as_posix()
 
 
 def _is_linattn(name: str) -> bool:
@@ -238,8 +250,8 @@ def colab(tmp_path_factory):
         state["probe_no_colab"] = kernel.run("import linattn")
 
         kernel.run("import google.colab")  # what Colab's runtime has imported before the first cell
-        local = cell.replace(f"git+{url}@", f"git+file://{root / 'repo'}@")
-        assert local.count(f"git+file://{root / 'repo'}@{branch}") == 1, f"unexpected install cell:\n{cell}"
+        local = cell.replace(f"git+{url}@", f"git+{_file_url(root / 'repo')}@")
+        assert local.count(f"git+{_file_url(root / 'repo')}@{branch}") == 1, f"unexpected install cell:\n{cell}"
         state["on_colab"] = kernel.run(local, timeout=600)
         # `!cmd` does not raise when cmd fails; IPython keeps its exit status in `_exit_code`.
         state["pip_exit"] = kernel.value("globals().get('_exit_code')")

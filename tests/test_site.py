@@ -18,16 +18,23 @@ system's Chromium, driven by Playwright. For each page it checks:
 * notebook pages carry a Colab launch button that opens exactly that notebook on the
   repository and branch configured in ``_config.yml``; other pages carry none.
 
-MathJax: the published pages load MathJax from its CDN (the book's configuration is not
-changed). The browser here has no network, so the test intercepts that CDN address and
-serves the same files from a local copy of the MathJax npm package (``.ci/run`` fetches it
-into ``.ci/cache/mathjax``; ``LINATTN_MATHJAX_DIR`` points elsewhere). Every other request
-that leaves 127.0.0.1 is refused and listed in the summary.
+MathJax: the book is built twice, as published and as read offline.
+
+* Published (``LINATTN_MATHJAX_DIR=``, what a fresh clone builds): the pages load MathJax
+  from its CDN. The browser here has no network, so the test intercepts that CDN address and
+  serves the same files from a local copy of the MathJax npm package (``bash
+  .ci/fetch_mathjax.sh`` puts it into ``.ci/cache/mathjax``; ``LINATTN_MATHJAX_DIR`` points
+  elsewhere). Every other request that leaves 127.0.0.1 is refused and listed in the summary.
+  All the checks above run on this build.
+* Offline (``LINATTN_MATHJAX_DIR`` set to that copy): chapters/_ext/local_mathjax.py copies
+  MathJax into the build, and every page is opened as a reader opens ``_build/html`` without
+  a network, from ``file://`` with every other request refused: MathJax must come from the
+  build itself, and every expression, image and console must pass the same checks.
 
 ``test_the_checks_catch_a_broken_page`` runs the same checks on a deliberately broken page,
 so that none of them passes vacuously.
 
-A full-page screenshot of every page and a ``summary.json`` with the counts are written to
+A full-page screenshot of every page of the published build and a ``summary.json`` with the counts are written to
 ``_build/test-artifacts/site`` (or ``$LINATTN_SITE_ARTIFACTS``).
 
 Skipped, with the reason, where Chromium (``/usr/bin/chromium`` or ``$LINATTN_CHROMIUM``),
@@ -42,6 +49,7 @@ import http.server
 import json
 import os
 import pathlib
+import posixpath
 import re
 import shutil
 import subprocess
@@ -60,10 +68,12 @@ import booktools
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "_config.yml"
 CHROMIUM = pathlib.Path(os.environ.get("LINATTN_CHROMIUM", "/usr/bin/chromium"))
-MATHJAX_DIR = pathlib.Path(os.environ.get("LINATTN_MATHJAX_DIR", ROOT / ".ci" / "cache" / "mathjax"))
+MATHJAX_DIR = pathlib.Path(os.environ.get("LINATTN_MATHJAX_DIR") or ROOT / ".ci" / "cache" / "mathjax")
 ARTIFACTS = pathlib.Path(os.environ.get("LINATTN_SITE_ARTIFACTS", ROOT / "_build" / "test-artifacts" / "site"))
-FETCH_HINT = ("run .ci/run, or extract package/es5 and package/package.json of `npm pack mathjax@3.2.2` "
-              "into .ci/cache/mathjax")
+# The one address the published pages load MathJax from (Sphinx's default mathjax_path).
+CDN_PREFIX = "https://cdn.jsdelivr.net/npm/mathjax@3/"
+# Where chapters/_ext/local_mathjax.py puts the copy in a build, relative to the HTML root.
+LOCAL_SCRIPT = "_static/mathjax/tex-mml-chtml.js"
 
 # Flags known to keep headless Chromium quiet on a machine with a closed network: without the
 # background-networking ones it keeps trying to reach Google's services at every start.
@@ -236,32 +246,47 @@ def _unavailable(reason: str):
 
 @pytest.fixture(scope="module")
 def browser_tools():
-    """Playwright, Chromium and the local MathJax copy, or a skip that says which one is missing."""
+    """Playwright, Chromium and the local MathJax copy, or a skip that says what to install."""
+    missing = []
     if not CHROMIUM.is_file():
-        _unavailable(f"no browser: {CHROMIUM} is not installed (apt-get install chromium; .ci/run does)")
+        missing.append(f"Chromium ({CHROMIUM}: apt-get install chromium, or set LINATTN_CHROMIUM)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _unavailable("the playwright package is not installed (pip install -r requirements.txt)")
+        sync_playwright = None
+        missing.append("the playwright package (pip install -r requirements.txt)")
     if not (MATHJAX_DIR / "es5").is_dir():
-        _unavailable(f"no local MathJax copy in {MATHJAX_DIR} ({FETCH_HINT})")
+        missing.append(f"a local MathJax copy in {MATHJAX_DIR} (bash .ci/fetch_mathjax.sh, needs npm)")
+    if missing:
+        _unavailable("it needs " + "; ".join(missing))
     return sync_playwright
 
 
-@pytest.fixture(scope="module")
-def built_site(browser_tools, tmp_path_factory):
-    """A fresh build of the book (the test never trusts an existing _build)."""
-    out = tmp_path_factory.mktemp("site")
+def _build(out: pathlib.Path, mathjax_dir: str) -> tuple[pathlib.Path, float]:
+    """A fresh build of the book into ``out`` with ``LINATTN_MATHJAX_DIR=mathjax_dir``; (html dir, seconds)."""
     exe = pathlib.Path(sys.executable).with_name("jupyter-book")
     cmd = [str(exe) if exe.is_file() else (shutil.which("jupyter-book") or "jupyter-book"),
            "build", str(ROOT), "--path-output", str(out)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          env={**os.environ, "LINATTN_MATHJAX_DIR": mathjax_dir})
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, f"jupyter-book build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     html_dir = out / "_build" / "html"
     assert (html_dir / "index.html").is_file(), f"the build wrote no {html_dir / 'index.html'}"
     return html_dir, seconds
+
+
+@pytest.fixture(scope="module")
+def built_site(browser_tools, tmp_path_factory):
+    """A fresh build of the book as published: MathJax from the CDN (the test never trusts an existing _build)."""
+    return _build(tmp_path_factory.mktemp("site"), mathjax_dir="")
+
+
+@pytest.fixture(scope="module")
+def offline_site(browser_tools, tmp_path_factory):
+    """A fresh build with the local MathJax copy, as a reader builds it to read offline."""
+    return _build(tmp_path_factory.mktemp("offline-site"), mathjax_dir=str(MATHJAX_DIR))
 
 
 @pytest.fixture(scope="module")
@@ -286,25 +311,38 @@ def _pages(html_dir: pathlib.Path) -> list[str]:
     return sorted(pages)
 
 
-def _mathjax_cdn(html_dir: pathlib.Path, pages: list[str]) -> str | None:
-    """The MathJax script address the built pages use (one address for the whole book)."""
-    srcs = {s for p in pages for s in _static(html_dir / p).scripts if "mathjax" in s.lower()}
+def _mathjax_script(html_dir: pathlib.Path, pages: list[str]) -> str | None:
+    """The MathJax script the built pages load (one for the whole book): a URL, or a path
+    relative to ``html_dir`` (query string dropped) for a copy inside the build."""
+    srcs = set()
+    for page in pages:
+        for src in _static(html_dir / page).scripts:
+            if "mathjax" not in src.lower():
+                continue
+            if urllib.parse.urlsplit(src).scheme:
+                srcs.add(src)
+            else:
+                srcs.add(posixpath.normpath(posixpath.join(posixpath.dirname(page), urllib.parse.urlsplit(src).path)))
     assert len(srcs) <= 1, f"the pages load MathJax from several addresses: {sorted(srcs)}"
     return srcs.pop() if srcs else None
 
 
 def crawl_site(sync_playwright, html_dir: pathlib.Path, server: str, artifacts: pathlib.Path,
-               colab_prefix: str) -> dict:
-    """Load every page of ``html_dir`` (served at ``server``) once in Chromium; collect what the tests check."""
+               colab_prefix: str, screenshots: bool = True) -> dict:
+    """Load every page of ``html_dir`` (served at ``server``, an http:// or file:// prefix) once in
+    Chromium; collect what the tests check."""
     pages = _pages(html_dir)
     assert pages, f"the build produced no pages in {html_dir}"
 
-    # The local MathJax copy must serve the very file, and the major version, the pages ask for.
-    cdn_script = _mathjax_cdn(html_dir, pages)
+    # MathJax inside the build must be there; from the CDN, the local copy that stands in for the
+    # CDN must serve the very file, and the major version, the pages ask for.
+    script = _mathjax_script(html_dir, pages)
     mathjax_prefix = None
-    if cdn_script is not None:
-        m = re.match(r"(https://[^/]+/npm/mathjax@(\d+)[^/]*/)(.*)$", cdn_script)
-        assert m, f"unexpected MathJax address {cdn_script}; teach tests/test_site.py where it maps locally"
+    if script is not None and not urllib.parse.urlsplit(script).scheme:
+        assert (html_dir / script).is_file(), f"the pages load {script}, which is not in the build"
+    elif script is not None:
+        m = re.match(r"(https://[^/]+/npm/mathjax@(\d+)[^/]*/)(.*)$", script)
+        assert m, f"unexpected MathJax address {script}; teach tests/test_site.py where it maps locally"
         mathjax_prefix, cdn_major, script_rel = m.group(1), m.group(2), m.group(3)
         local_version = json.loads((MATHJAX_DIR / "package.json").read_text())["version"]
         assert local_version.split(".")[0] == cdn_major, (
@@ -313,9 +351,10 @@ def crawl_site(sync_playwright, html_dir: pathlib.Path, server: str, artifacts: 
             f"the pages load {script_rel} from the CDN; the local copy {MATHJAX_DIR} lacks it")
 
     # Fresh artefacts: drop the screenshots of an earlier run (only the files this test writes).
-    artifacts.mkdir(parents=True, exist_ok=True)
-    for old in [*artifacts.glob("*.png"), artifacts / "summary.json"]:
-        old.unlink(missing_ok=True)
+    if screenshots:
+        artifacts.mkdir(parents=True, exist_ok=True)
+        for old in [*artifacts.glob("*.png"), artifacts / "summary.json"]:
+            old.unlink(missing_ok=True)
 
     blocked: list[str] = []
     mathjax_served: list[str] = []
@@ -363,13 +402,15 @@ def crawl_site(sync_playwright, html_dir: pathlib.Path, server: str, artifacts: 
                 page.wait_for_url(target, wait_until="load")
             page.evaluate(SETTLE_JS)
             data = page.evaluate(PROBE_JS, colab_prefix)
-            shot = artifacts / (rel.replace("/", "__").removesuffix(".html") + ".png")
-            shot_start = time.perf_counter()
-            page.screenshot(path=str(shot), full_page=True)
-            shot_seconds += time.perf_counter() - shot_start
-            assert shot.is_file(), f"no screenshot written for {rel}"
+            shot = None
+            if screenshots:
+                shot = artifacts / (rel.replace("/", "__").removesuffix(".html") + ".png")
+                shot_start = time.perf_counter()
+                page.screenshot(path=str(shot), full_page=True)
+                shot_seconds += time.perf_counter() - shot_start
+                assert shot.is_file(), f"no screenshot written for {rel}"
             data.update(page=rel, redirect=static.refresh, page_errors=page_errors,
-                        bad_responses=bad_responses, console=console, screenshot=str(shot))
+                        bad_responses=bad_responses, console=console, screenshot=str(shot) if shot else None)
             results[rel] = data
             page.close()
         context.close()
@@ -377,7 +418,7 @@ def crawl_site(sync_playwright, html_dir: pathlib.Path, server: str, artifacts: 
     return {
         "html_dir": html_dir, "pages": pages, "results": results, "server": server,
         "blocked": blocked, "mathjax_served": mathjax_served, "mathjax_missing": mathjax_missing,
-        "mathjax_cdn": cdn_script, "artifacts": artifacts,
+        "mathjax_script": script, "artifacts": artifacts,
         "seconds": {"browser": round(time.perf_counter() - start, 1),
                     "of_which_screenshots": round(shot_seconds, 1)},
     }
@@ -392,6 +433,14 @@ def crawl(browser_tools, built_site, server):
     result["config"] = config
     result["seconds"]["build"] = round(build_seconds, 1)
     return result
+
+
+@pytest.fixture(scope="module")
+def offline_crawl(browser_tools, offline_site):
+    """Every page of the offline build, opened from file:// with every other request refused."""
+    html_dir, _ = offline_site
+    return crawl_site(browser_tools, html_dir, html_dir.as_uri() + "/", ARTIFACTS / "offline",  # no screenshots
+                      colab_prefix=_config()["launch_buttons"]["colab_url"].rstrip("/") + "/", screenshots=False)
 
 
 # --------------------------------------------------------------------------- link resolution
@@ -495,7 +544,7 @@ def _summary(crawl) -> dict:
         **link_counts,
         "colab_buttons": sum(len(r["colab"]) for r in notebook_pages),
         "mathjax_version": next((r["math"]["mathjax"] for r in results if r["math"]["mathjax"]), None),
-        "mathjax_cdn_script": crawl["mathjax_cdn"],
+        "mathjax_script": crawl["mathjax_script"],
         "mathjax_files_served_locally": sorted(set(crawl["mathjax_served"])),
         "blocked_external_requests": sorted(set(crawl["blocked"])),
         "seconds": crawl["seconds"],
@@ -579,6 +628,25 @@ def test_colab_buttons_open_the_right_notebook(crawl):
         if r["repoButtons"] and any(h.rstrip("/") != repo_url for h in r["repoButtons"]):
             problems.append(f"{rel}: repository button {r['repoButtons']} is not {repo_url}")
     assert notebooks > 0, "no notebook page found in the build"
+    assert not problems, "\n".join(problems)
+
+
+def test_published_build_loads_mathjax_from_the_cdn(crawl):
+    assert crawl["mathjax_script"] is not None and crawl["mathjax_script"].startswith(CDN_PREFIX), (
+        f"the published pages load MathJax from {crawl['mathjax_script']!r}, not from {CDN_PREFIX}")
+    assert crawl["mathjax_served"], "no page asked the CDN for MathJax"
+
+
+def test_offline_build_reads_without_a_network(offline_crawl):
+    """Built with the local MathJax, every page opened from file:// typesets its math with MathJax
+    from the build itself (nothing asked of the network), and passes the console and image checks."""
+    html_dir = offline_crawl["html_dir"]
+    assert offline_crawl["mathjax_script"] == LOCAL_SCRIPT, offline_crawl["mathjax_script"]
+    assert (html_dir / LOCAL_SCRIPT).with_name("LICENSE").is_file(), "MathJax's licence is not in the build"
+    assert not offline_crawl["mathjax_served"], "the offline build asked the CDN for MathJax"
+    assert not [u for u in offline_crawl["blocked"] if "mathjax" in u.lower()], offline_crawl["blocked"]
+    assert sum(r["math"]["sources"] for r in offline_crawl["results"].values()) > 0, "no math found at all"
+    problems = _math_problems(offline_crawl) + _console_problems(offline_crawl) + _image_problems(offline_crawl)
     assert not problems, "\n".join(problems)
 
 

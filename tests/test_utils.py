@@ -6,7 +6,7 @@ import torch
 
 from linattn import utils
 
-mpl = pytest.importorskip("matplotlib")
+mpl = pytest.importorskip("matplotlib", reason='matplotlib is not installed (pip install "linattn[plot]")')
 mpl.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
