@@ -37,6 +37,7 @@ __all__ = [
     "HedgehogFeatures",
     "CosFormerFeatures",
     "distill_feature_map",
+    "seeded_normal",
     "get_feature_map",
     "FeatureMap",
     "FEATURE_MAPS",
@@ -372,7 +373,7 @@ class PerformerFeatures(nn.Module):
         """The ``(M, D)`` float64 projection of this map's seed (a pure function of the settings)."""
         M = self.num_features if self.num_features is not None else D * max(1, math.ceil(math.log(D)))
         return (_orthogonal_gaussian(M, D, self.seed) if self.orthogonal
-                else _standard_normal((M, D), self.seed, stream=0))
+                else seeded_normal((M, D), self.seed, stream=0))
 
     def _draw(self, D: int) -> None:
         W = self._drawn(D)
@@ -401,11 +402,11 @@ class PerformerFeatures(nn.Module):
 
 def _orthogonal_gaussian(M: int, D: int, seed: int) -> Tensor:
     """``(M, D)`` rows orthogonal in blocks of ``D``, each with the norm of a N(0, I_D) vector."""
-    G = _standard_normal((math.ceil(M / D), D, D), seed, stream=1)                  # (blocks, D, D)
+    G = seeded_normal((math.ceil(M / D), D, D), seed, stream=1)                  # (blocks, D, D)
     Q, R = torch.linalg.qr(G)
     Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)           # Haar-distributed
     W = Q.transpose(-1, -2).reshape(-1, D)[:M]                                      # (M, D), unit rows
-    norms = _standard_normal((M, D), seed, stream=2).norm(dim=1, keepdim=True)
+    norms = seeded_normal((M, D), seed, stream=2).norm(dim=1, keepdim=True)
     return W * norms
 
 
@@ -423,14 +424,39 @@ def _hash32(x: Tensor) -> Tensor:
     return (word >> 22) ^ word
 
 
-def _standard_normal(shape: tuple[int, ...], seed: int, stream: int) -> Tensor:
+def seeded_normal(shape: tuple[int, ...], seed: int, stream: int = 0) -> Tensor:
     """Standard normal float64 numbers determined by ``(seed, stream)`` alone (counter-based).
 
     Each entry hashes its own index with the seed and goes through the Box-Muller transform,
     so the draw needs no ``torch.Generator`` and touches no global random state; it is the
     same on every machine and device, and ``torch.compile`` can trace it (a lazily drawn
-    projection then compiles). ``stream`` separates draws from one seed.
+    projection then compiles). ``stream`` separates draws from one seed:
+    :class:`PerformerFeatures` uses stream 0 for i.i.d. projections, 1 for the Gaussian blocks
+    it orthogonalises and 2 for their lengths.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        Shape of the result.
+    seed : int
+        A non-negative integer (its low 64 bits are used).
+    stream : int
+        A non-negative integer below ``2^32``.
+
+    Returns
+    -------
+    Tensor
+        float64 of ``shape`` on the CPU, standard normal entries.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A seed or stream that is not a non-negative int, a stream of ``2^32`` or more.
     """
+    _check_int(seed, "seed", minimum=0)
+    _check_int(stream, "stream", minimum=0)
+    if stream > _M32:
+        raise ValueError(f"stream must be < 2**32, got {stream}")
     n = math.prod(shape)
     key = _hash32(_hash32(torch.tensor([seed & _M32, (seed >> 32) & _M32, stream], dtype=torch.int64)))
     base = _hash32(key[0] ^ _hash32(key[1] ^ key[2]))
