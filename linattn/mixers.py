@@ -3,21 +3,16 @@
 :class:`LinearMixer` is one multi-head, causal layer for the update rules of chapter 9 and 10
 (``rule=``), each through its function in :mod:`linattn.ops`:
 
-=============== ====================================================== ==========================================
-rule            state update (per head)                                source of the decay / writing strength
-=============== ====================================================== ==========================================
-``retention``   ``S_t = γ S_{t-1} + k_t v_tᵀ``                          RetNet (Sun et al., 2023): fixed
-                                                                       ``γ_h = 1 − 2^(−5−h)``
-``gla``         ``S_t = diag(α_t) S_{t-1} + k_t v_tᵀ``                  GLA (Yang et al., 2024): ``log α_t =
-                                                                       logsigmoid(W↑W↓ x_t + b) / 16``, rank 16
-``delta``       ``S_t = (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``     DeltaNet (Schlag et al., 2021; Yang et
-                                                                       al., 2024b): ``β_t = sigmoid(W_β x_t)``
-``gated_delta`` ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`` Gated DeltaNet (Yang, Kautz & Hatamizadeh,
-                                                                       2025, arXiv:2412.06464, eq. 10), Mamba-2's
-                                                                       ``α_t`` (Dao & Gu, 2024), one per head
-``kda``         ``S_t = (I − β_t k_t k_tᵀ) diag(α_t) S_{t-1} + β_t      Kimi Delta Attention (Kimi Team, 2025,
-                k_t v_tᵀ``                                             arXiv:2510.26692): ``α_t`` per key channel
-=============== ====================================================== ==========================================
+- ``"retention"``: ``S_t = γ S_{t-1} + k_t v_tᵀ`` with RetNet's fixed ``γ_h = 1 − 2^(−5−h)``
+  (Sun et al., 2023, arXiv:2307.08621);
+- ``"gla"``: ``S_t = diag(α_t) S_{t-1} + k_t v_tᵀ`` with GLA's gate ``log α_t =
+  logsigmoid(W↑W↓ x_t + b) / 16``, a projection of rank 16 (Yang et al., 2024, arXiv:2312.06635);
+- ``"delta"``: ``S_t = (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`` with ``β_t = sigmoid(W_β x_t)``
+  (DeltaNet: Schlag et al., 2021; Yang et al., 2024b, arXiv:2406.06484);
+- ``"gated_delta"``: ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``, one Mamba-2 decay
+  ``α_t`` per head (Gated DeltaNet: Yang, Kautz & Hatamizadeh, 2025, arXiv:2412.06464, eq. 10);
+- ``"kda"``: ``S_t = (I − β_t k_t k_tᵀ) diag(α_t) S_{t-1} + β_t k_t v_tᵀ``, the decay per key
+  channel (Kimi Delta Attention: Kimi Team, 2025, arXiv:2510.26692);
 
 and ``o_t = S_tᵀ q_t``. Around the rule sit the pieces of today's models, each on by default
 and switchable:
@@ -32,9 +27,10 @@ and switchable:
 - ``β = sigmoid(W_β x) ∈ (0, 1)``, or with ``negative_eigenvalues=True`` ``2·sigmoid(W_β x) ∈
   (0, 2)``, which lets ``1 − β`` be negative (Grazzi et al., 2025, "Unlocking State-Tracking
   in Linear RNNs Through Negative Eigenvalues");
-- the Mamba-2 decay ``α = exp(−exp(A_log) · softplus(W_α x + dt_bias))`` (Dao & Gu, 2024,
-  sec. 7-8: ``A = −exp(A_log)``, ``A`` drawn from ``U(1, 16)``, ``dt_bias`` the inverse
-  softplus of ``dt`` drawn log-uniformly from ``[0.001, 0.1]``);
+- the Mamba-2 decay ``α = exp(−exp(A_log) · softplus(W_α x + dt_bias))`` (Dao & Gu, 2024:
+  ``α = exp(Δ A)`` with ``A = −exp(A_log)``, ``Δ = softplus(·)``; initialised as there, ``A``
+  drawn from ``U(1, 16)``, ``dt_bias`` the inverse softplus of a ``Δ`` drawn log-uniformly
+  from ``[0.001, 0.1]``);
 - a per-head **output RMSNorm** and a **SiLU output gate**, ``o = RMSNorm(o) ⊙ silu(W_g x)``
   (Gated DeltaNet; GLA's swish gate), then the output projection.
 
@@ -66,7 +62,7 @@ __all__ = ["RULES", "DELTA_RULES", "MixerState", "ShortConvolution", "LinearMixe
 RULES = ("retention", "gla", "delta", "gated_delta", "kda")
 DELTA_RULES = ("delta", "gated_delta", "kda")          # the rules with a writing strength β
 
-GLA_GATE_RANK = 16          # GLA's low-rank gate projection (Yang et al., 2024, sec. 4.4)
+GLA_GATE_RANK = 16          # GLA's low-rank gate projection (Yang et al., 2024)
 GLA_GATE_NORMALIZER = 16.0  # ... and its temperature τ: log α = logsigmoid(·) / τ
 NORM_EPS = 1e-5             # the output RMSNorm's ε
 L2_EPS = 1e-6               # F.normalize's ε for q and k
@@ -239,9 +235,27 @@ class ShortConvolution(nn.Module):
 def retnet_log_gammas(n_heads: int, *, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
     """``log γ_h`` of RetNet's decays ``γ_h = 1 − 2^(−5−h)``, ``h = 0 .. n_heads − 1``.
 
-    Sun et al. (2023, arXiv:2307.08621, sec. 2.2): head 0 keeps about 32 tokens in view, each
-    further head twice as many. Returns an ``(n_heads,)`` tensor, computed as
-    ``log1p(−2^(−5−h))`` (exact where ``γ`` itself rounds to 1).
+    Sun et al. (2023, arXiv:2307.08621): head 0 keeps about 32 tokens in view, each further
+    head twice as many.
+
+    Parameters
+    ----------
+    n_heads : int
+        Number of heads, ``>= 1``.
+    dtype, device
+        Of the result (floating ``dtype``).
+
+    Returns
+    -------
+    Tensor
+        ``(n_heads,)``, ``log1p(−2^(−5−h))`` (accurate where ``γ`` itself rounds to 1).
+
+    Raises
+    ------
+    TypeError
+        A non-int ``n_heads``.
+    ValueError
+        ``n_heads < 1``.
     """
     h = torch.arange(_checks.check_positive_int(n_heads, "n_heads"), dtype=dtype, device=device)
     return torch.log1p(-torch.exp2(-5.0 - h))

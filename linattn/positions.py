@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _checks
 from ._numerics import no_autocast
 
-__all__ = ["POSITIONS", "DEFAULT_POSITIONS", "ROPE_BASE", "apply_rope", "token_positions", "check_positions_name"]
+__all__ = ["POSITIONS", "DEFAULT_POSITIONS", "ROPE_BASE", "apply_rope", "token_positions"]
 
 POSITIONS = ("learned", "rope", "none")
 
@@ -41,7 +41,7 @@ ROPE_BASE = 10000.0
 
 
 def check_positions_name(positions) -> str:
-    """``positions`` is one of :data:`POSITIONS`; returns it."""
+    """``positions`` is one of :data:`POSITIONS`; returns it (TypeError for a non-str, ValueError otherwise)."""
     if not isinstance(positions, str):
         raise TypeError(f"positions must be a str, one of {POSITIONS}, got {_checks.type_name(positions)}")
     if positions not in POSITIONS:
@@ -106,7 +106,10 @@ def apply_rope(x: Tensor, positions: Tensor, *, base: float = ROPE_BASE) -> Tens
 
 
 def check_positions(positions, batch: int, seq: int, device, name: str = "positions") -> None:
-    """``positions`` is a ``(batch, seq)`` int64 tensor of values ``>= 0`` on ``device``."""
+    """``positions`` is a ``(batch, seq)`` int64 tensor of values ``>= 0`` on ``device``.
+
+    Raises TypeError for a non-tensor or another dtype, ValueError for another shape or device
+    or a negative value (RuntimeError under ``torch.compile``)."""
     if not isinstance(positions, Tensor) or positions.dtype != torch.long:
         got = (f"a {positions.dtype} tensor" if isinstance(positions, Tensor) else _checks.type_name(positions))
         raise TypeError(f"{name} must be an int64 tensor of shape (batch, seq) = ({batch}, {seq}), got {got}")
@@ -129,6 +132,9 @@ def token_positions(start: Tensor, attention_mask: Optional[Tensor], seq: int) -
         ``(B, T)`` bool, True for real tokens (None: all real).
     seq : int
         ``T``.
+
+    Used by :class:`~linattn.TransformerLM` (``start`` from its :class:`~linattn.DecodingState`)
+    and by the RoPE layers. Checks nothing: the caller has checked its arguments.
 
     Returns
     -------

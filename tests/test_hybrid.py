@@ -130,7 +130,8 @@ def test_the_state_must_match_each_layer():
     with torch.no_grad():
         _, state = model(_ids(2, 4), return_state=True)
     swapped = DecodingState([state.layers[1], state.layers[0]], state.positions)
-    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a MixerState for block 0 \(LinearMixer\), got KVCache"):
+    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a MixerState for block 0 \(LinearMixer\), "
+                                        r"got KVCache"):
         model(_ids(2, 1), state=swapped)
     state.layers[0].S = state.layers[0].S[:, :2]                        # mutated after it was returned
     with pytest.raises(ValueError, match=r"state.S must have shape"):

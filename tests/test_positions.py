@@ -139,7 +139,9 @@ def test_softmax_rope_counts_positions_after_the_cache():
 
 
 def _linear_rope_reference(layer, x, mask, causal):
-    """y_i = Σ_j (R_i φ(q_i))ᵀ(R_j φ(k_j)) v_j / Σ_j φ(q_i)ᵀφ(k_j) over real j (<= i when causal), T×T explicitly."""
+    """y_i = Σ_j (R_i φ(q_i))ᵀ(R_j φ(k_j)) v_j / Σ_j φ(q_i)ᵀφ(k_j), T×T explicitly.
+
+    The sums run over the real tokens j (j <= i when causal)."""
     B, T, _ = x.shape
     H, G, D = layer.n_heads, layer.group_size, layer.head_dim
     q = F.elu(_heads(layer.q_proj(x), H)) + 1
