@@ -12,6 +12,8 @@ from .ops.gla import gated_linear_attention
 from .ops.delta import delta_rule
 from .ops.gated_delta import gated_delta_rule
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
+from .mixers import LinearMixer, MixerState, ShortConvolution
+from .positions import apply_rope
 from .layers import (DecodingState, KVCache, LinearAttention, LinearMultiheadAttention, SoftmaxAttention,
                      TransformerBlock, TransformerConfig, TransformerLM)
 from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
@@ -46,6 +48,10 @@ __all__ = [
     "finish_figure",
     "LinearAttention",
     "LinearMultiheadAttention",
+    "LinearMixer",
+    "MixerState",
+    "ShortConvolution",
+    "apply_rope",
     "SoftmaxAttention",
     "TransformerBlock",
     "TransformerConfig",

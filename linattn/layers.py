@@ -11,10 +11,13 @@ for softmax attention a :class:`KVCache` that grows by one key and one value per
 :class:`LinearMultiheadAttention` is linear attention behind ``nn.MultiheadAttention``'s
 call instead: ``(query, key, value) -> (output, None)``.
 
-:class:`TransformerBlock` (pre-norm, MLP) and :class:`TransformerLM` (token and learned
-absolute position embeddings, tied output layer, ``generate``) follow nanoGPT's GPT.
-Tensors are ``(batch, seq, d_model)`` between layers and ``(batch, heads, seq, head_dim)``
-inside attention. Every module works on any device and floating dtype its parameters are on.
+:class:`TransformerBlock` (pre-norm, MLP) and :class:`TransformerLM` (token embedding,
+positions learned, rotary or none, tied output layer, ``generate``) follow nanoGPT's GPT.
+A model may mix token mixers layer by layer (a hybrid): φ-linear attention, softmax
+attention and the gated family of :class:`~linattn.LinearMixer` (retention, GLA, the delta
+rule, the gated delta rule, Kimi Delta Attention). Tensors are ``(batch, seq, d_model)``
+between layers and ``(batch, heads, seq, head_dim)`` inside attention. Every module works on
+any device and floating dtype its parameters are on.
 """
 from __future__ import annotations
 
@@ -31,8 +34,11 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import shape_str
+from ._numerics import guarded_normaliser
 from .attention import linear_attention
 from .feature_maps import PARAMETRIC_FEATURE_MAPS, FeatureMap, get_feature_map, resolve_feature_map
+from .mixers import DELTA_RULES, RULES, LinearMixer, MixerState
+from .positions import DEFAULT_POSITIONS, ROPE_BASE, apply_rope, check_positions, check_positions_name, token_positions
 from .recurrent import LinearAttentionState, linear_attention_step
 
 __all__ = [
@@ -47,7 +53,7 @@ __all__ = [
     "ATTENTIONS",
 ]
 
-ATTENTIONS = ("linear", "softmax")
+ATTENTIONS = ("linear", "softmax") + RULES       # the token mixers a TransformerLM layer may use
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,8 +152,10 @@ class DecodingState:
     Attributes
     ----------
     layers : list
-        One entry per block: a :class:`~linattn.LinearAttentionState` (linear attention)
-        or a :class:`KVCache` (softmax attention).
+        One entry per block: a :class:`~linattn.LinearAttentionState` (φ-linear attention),
+        a :class:`~linattn.MixerState` (a :class:`~linattn.LinearMixer`: retention, GLA, the
+        delta rules) or a :class:`KVCache` (softmax attention). The first two have a fixed
+        size; a cache grows with every token.
     positions : Tensor
         ``(B,)`` int64, the number of real (unpadded) tokens each sequence has seen, which
         is the position of its next token.
@@ -197,8 +205,9 @@ def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
     if not isinstance(layers, (list, tuple)):
         raise TypeError(f"{name}.layers must be a list of layer states (one per block), got {_describe(layers)}")
     for i, s in enumerate(layers):
-        if not isinstance(s, (LinearAttentionState, KVCache)):
-            raise TypeError(f"{name}.layers[{i}] must be a LinearAttentionState or a KVCache, got {_describe(s)}")
+        if not isinstance(s, (LinearAttentionState, MixerState, KVCache)):
+            raise TypeError(f"{name}.layers[{i}] must be a LinearAttentionState, a MixerState or a KVCache, "
+                            f"got {_describe(s)}")
     p = state.positions
     if not isinstance(p, Tensor) or p.dtype != torch.long:
         raise TypeError(f"{name}.positions must be an int64 tensor of shape (batch,), got {_describe(p)}")
@@ -212,9 +221,10 @@ def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
 
 
 class _MultiHeadProjections(nn.Module):
-    """Query, key, value and output projections with grouped key-value heads, and input checks."""
+    """Query, key, value and output projections with grouped key-value heads, rotary positions, and input checks."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: Optional[int], causal: bool, bias: bool) -> None:
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: Optional[int], causal: bool, bias: bool,
+                 rope: bool = False, rope_base: float = ROPE_BASE) -> None:
         super().__init__()
         d_model = _checks.check_positive_int(d_model, "d_model")
         n_heads = _checks.check_positive_int(n_heads, "n_heads")
@@ -226,6 +236,10 @@ class _MultiHeadProjections(nn.Module):
                              f"n_kv_heads={n_kv_heads}")
         causal = _checks.check_bool(causal, "causal")
         bias = _checks.check_bool(bias, "bias")
+        self.rope = _checks.check_bool(rope, "rope")
+        self.rope_base = _checks.check_positive_float(rope_base, "rope_base", torch.float32)
+        if not self.rope_base > 1:
+            raise ValueError(f"rope_base must be > 1 (RoFormer uses 10000), got {rope_base}")
         self.d_model, self.n_heads, self.n_kv_heads, self.causal = d_model, n_heads, n_kv_heads, causal
         self.head_dim = d_model // n_heads
         self.group_size = n_heads // n_kv_heads                   # query heads per key-value head
@@ -236,7 +250,30 @@ class _MultiHeadProjections(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, causal={self.causal}")
+                f"head_dim={self.head_dim}, causal={self.causal}" + (", rope=True" if self.rope else ""))
+
+    def _positions(self, positions, x: Tensor, attention_mask: Optional[Tensor], state) -> Optional[Tensor]:
+        """The ``(B, T)`` positions RoPE rotates by (None without RoPE), checked or counted.
+
+        Counted (when not given) as real tokens from 0, after the real tokens of a KVCache;
+        a LinearAttentionState does not record its length, so continuing one needs them."""
+        B, T, _ = x.shape
+        if not self.rope:
+            if positions is not None:
+                raise ValueError(f"positions is only used by a layer built with rope=True; this "
+                                 f"{type(self).__name__} has rope=False (pass positions=None)")
+            return None
+        if positions is not None:
+            check_positions(positions, B, T, x.device)
+            return positions
+        if state is None:
+            start = torch.zeros(B, dtype=torch.long, device=x.device)
+        elif isinstance(state, KVCache):
+            start = state.attention_mask.sum(dim=1)                          # real tokens cached
+        else:
+            raise ValueError("positions (B, T) must be given to continue a state with rope=True: a "
+                             "LinearAttentionState does not record how many tokens it has seen")
+        return token_positions(start, attention_mask, T)
 
     def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
@@ -299,6 +336,17 @@ class LinearAttention(_MultiHeadProjections):
     Because ``S = Σ φ(k_j) v_jᵀ`` depends on keys and values only, the state is stored
     once per key-value head: GQA shrinks the recurrent state as it shrinks a KV cache.
 
+    With ``rope=True`` the positions enter as RoFormer puts them into linear attention (Su et
+    al., 2021, arXiv:2104.09864, sec. 3.3, eq. 19): the features are rotated in the numerator
+    only, with :func:`linattn.positions.apply_rope` (``R_i`` the rotation of position ``i``)::
+
+        y_i = Σ_j (R_i φ(q_i))ᵀ(R_j φ(k_j)) v_j / Σ_j φ(q_i)ᵀφ(k_j)
+
+    so the weights depend on relative positions while the normaliser stays positive. The
+    numerator is :func:`linattn.linear_attention` with ``normalize=False`` on the rotated
+    features, the normaliser the same with ``v = 1`` on the plain ones; the state carries
+    ``S = Σ_j R_j φ(k_j) v_jᵀ`` and ``z = Σ_j φ(k_j)`` (the usual sizes). ``M`` must be even.
+
     Parameters
     ----------
     d_model : int
@@ -325,6 +373,10 @@ class LinearAttention(_MultiHeadProjections):
         Chunk length of the causal chunkwise algorithm.
     bias : bool
         Biases in the four projections.
+    rope : bool
+        Rotary positions in the numerator (above; default False).
+    rope_base : float
+        RoPE's base (RoFormer: 10000), ``> 1``.
 
     Sizes may be Python or NumPy integers and flags Python or NumPy bools; they are stored
     as Python ``int`` and ``bool``.
@@ -332,18 +384,19 @@ class LinearAttention(_MultiHeadProjections):
     Raises
     ------
     TypeError
-        A non-int size, a non-bool flag, a non-number ``eps``, a feature map that is neither a
-        name, a callable nor None.
+        A non-int size, a non-bool flag, a non-number ``eps`` or ``rope_base``, a feature map
+        that is neither a name, a callable nor None.
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
-        ``n_kv_heads``, ``eps`` not a normal positive float32 number, an unknown feature map
-        name.
+        ``n_kv_heads``, ``eps`` not a normal positive float32 number, ``rope_base <= 1``, an
+        unknown feature map name.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False,
-                 normalize: bool = True, eps: float = 1e-6, chunk_size: int = 64, bias: bool = False) -> None:
-        super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
+                 normalize: bool = True, eps: float = 1e-6, chunk_size: int = 64, bias: bool = False,
+                 rope: bool = False, rope_base: float = ROPE_BASE) -> None:
+        super().__init__(d_model, n_heads, n_kv_heads, causal, bias, rope, rope_base)
         _set_linear_options(self, feature_map, normalize, eps, chunk_size)
 
     def extra_repr(self) -> str:
@@ -351,8 +404,8 @@ class LinearAttention(_MultiHeadProjections):
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
-                state: Optional[LinearAttentionState] = None, return_state: bool = False
-                ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
+                state: Optional[LinearAttentionState] = None, return_state: bool = False,
+                positions: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
         """Attend over ``x`` (and the tokens summarised by ``state``).
 
         Parameters
@@ -372,6 +425,10 @@ class LinearAttention(_MultiHeadProjections):
             (cosFormer): the state does not record the position.
         return_state : bool
             Also return the state after the last token of ``x``.
+        positions : Tensor, optional
+            ``(B, T)`` int64 ``>= 0``, the position of each token of ``x``; only with
+            ``rope=True``, where it defaults to counting real tokens from 0 (and is required
+            with a ``state``, which does not record its length).
 
         Returns
         -------
@@ -392,7 +449,9 @@ class LinearAttention(_MultiHeadProjections):
             ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
             ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
             a state whose shapes do not match ``(B, H_kv, M, head_dim)`` or that is not on the
-            device of ``x``; a state with a position-dependent feature map.
+            device of ``x``; a state with a position-dependent feature map; ``positions``
+            without ``rope=True``, of the wrong shape or negative, or missing with a state and
+            ``rope=True``; an odd number of features ``M`` with ``rope=True``.
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         phi = self.feature_map
@@ -404,9 +463,12 @@ class LinearAttention(_MultiHeadProjections):
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
         phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))        # (B, H, T, M), (B, H_kv, T, M)
         self._check_state(state, x, phi_k.shape[-1])
+        positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
         state = self._expand_state(state)                                 # per query head: (B, H, M, D)
         phi_k, v = self._repeat_kv(phi_k), self._repeat_kv(v)             # (B, H, T, M), (B, H, T, D)
-        if self.causal and x.shape[1] == 1 and attention_mask is None:  # one new token: the recurrence
+        if self.rope:
+            y, state = self._rotary(phi_q, phi_k, v, positions, attention_mask, state)
+        elif self.causal and x.shape[1] == 1 and attention_mask is None:  # one new token: the recurrence
             y, state = linear_attention_step(
                 phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                 feature_map=None, normalize=self.normalize, eps=self.eps)  # (B, H, D)
@@ -420,6 +482,40 @@ class LinearAttention(_MultiHeadProjections):
                 y, state = y
         y = self._merge(y)                                                # (B, T, d_model)
         return (y, self._shrink_state(state)) if return_state else y
+
+    def _rotary(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, attention_mask: Optional[Tensor],
+                state: Optional[LinearAttentionState]) -> tuple[Tensor, LinearAttentionState]:
+        """RoFormer's eq. 19: the rotated numerator over the plain normaliser; ``(B, H, T, D)`` and the state."""
+        M = phi_k.shape[-1]
+        if M % 2:
+            raise ValueError(f"rope=True rotates pairs of features, so the feature map must give an even number "
+                             f"of features, got M={M}")
+        acc = _checks.accumulation_dtype(v.dtype)                        # divide in float32, not in half
+        phi_q, phi_k, v_acc = phi_q.to(acc), phi_k.to(acc), v.to(acc)
+        rot_q = apply_rope(phi_q, positions, base=self.rope_base)          # (B, H, T, M)
+        rot_k = apply_rope(phi_k, positions, base=self.rope_base)
+        options = dict(feature_map=None, causal=self.causal, normalize=False, chunk_size=self.chunk_size,
+                       attention_mask=attention_mask, return_state=True)
+        num, num_state = linear_attention(
+            rot_q, rot_k, v_acc, initial_state=state, **options)          # (B, H, T, D): Σ (R_i φq)ᵀ(R_j φk) v_j
+        den_state0 = None if state is None else LinearAttentionState(state.z.unsqueeze(-1), state.z)
+        den, den_state = linear_attention(
+            phi_q, phi_k, v_acc.new_ones(*v.shape[:3], 1), initial_state=den_state0, **options)  # Σ φqᵀφk
+        y = num / guarded_normaliser(den, self.eps)[0] if self.normalize else num
+        return y.to(v.dtype), LinearAttentionState(num_state.S, den_state.z)
+
+    def decoding_state_nbytes(self, seq_len: int = 0, batch: int = 1) -> int:
+        """Bytes of the :class:`~linattn.LinearAttentionState` after any number of tokens (``seq_len``
+        is not used: the size is fixed), for inputs in the parameters' dtype: ``B·H_kv·M·(head_dim + 1)``
+        numbers, ``M`` the number of features of φ."""
+        weight = self.q_proj.weight
+        if self.feature_map is None:
+            M = self.head_dim
+        else:
+            with torch.no_grad():
+                M = self.feature_map(weight.new_zeros(1, 1, 1, self.head_dim)).shape[-1]
+        acc = _checks.accumulation_dtype(weight.dtype)
+        return batch * self.n_kv_heads * M * (self.head_dim + 1) * torch.empty((), dtype=acc).element_size()
 
     def _check_state(self, state, x: Tensor, feature_dim: int) -> None:
         """Checked at every use (not only when the state was built: its attributes may have been replaced)."""
@@ -485,23 +581,34 @@ class SoftmaxAttention(_MultiHeadProjections):
         Token ``i`` attends to tokens ``j <= i`` only.
     bias : bool
         Biases in the four projections.
+    rope : bool
+        Rotate ``q`` and ``k`` by their positions before the scores (RoFormer, Su et al.,
+        2021, arXiv:2104.09864, eq. 16; GPT-NeoX's half rotation,
+        :func:`linattn.positions.apply_rope`), so that a score depends on the relative position
+        only. The cache holds the rotated keys. Needs an even ``head_dim``.
+    rope_base : float
+        RoPE's base (RoFormer: 10000), ``> 1``.
 
     Raises
     ------
     TypeError
-        A non-int size or a non-bool flag.
+        A non-int size, a non-bool flag or a non-number ``rope_base``.
     ValueError
-        A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by ``n_kv_heads``.
+        A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
+        ``n_kv_heads``, ``rope=True`` with an odd ``head_dim``, ``rope_base <= 1``.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
-                 causal: bool = False, bias: bool = False) -> None:
-        super().__init__(d_model, n_heads, n_kv_heads, causal, bias)
+                 causal: bool = False, bias: bool = False, rope: bool = False, rope_base: float = ROPE_BASE) -> None:
+        super().__init__(d_model, n_heads, n_kv_heads, causal, bias, rope, rope_base)
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"rope=True rotates pairs of channels and needs an even head_dim, got "
+                             f"head_dim={self.head_dim} (d_model={self.d_model}, n_heads={self.n_heads})")
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
-                state: Optional[KVCache] = None, return_state: bool = False
-                ) -> Union[Tensor, tuple[Tensor, KVCache]]:
+                state: Optional[KVCache] = None, return_state: bool = False,
+                positions: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, KVCache]]:
         """Attend over the cached tokens and ``x``.
 
         Parameters
@@ -519,6 +626,10 @@ class SoftmaxAttention(_MultiHeadProjections):
             ``x`` sit at positions ``T_cache, ..., T_cache + T - 1``.
         return_state : bool
             Also return the cache extended by the tokens of ``x``.
+        positions : Tensor, optional
+            ``(B, T)`` int64 ``>= 0``, the position of each token of ``x``; only with
+            ``rope=True``, where it defaults to counting real tokens from 0, after the real
+            tokens of the cache.
 
         Returns
         -------
@@ -538,12 +649,16 @@ class SoftmaxAttention(_MultiHeadProjections):
             ``x`` not ``(B, T, d_model)`` or with an empty batch or sequence (``B`` or
             ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
             a cache whose shapes do not match the layer or each other, or whose ``k``, ``v``
-            or mask is not on the device of ``x`` (the message names which).
+            or mask is not on the device of ``x`` (the message names which); ``positions``
+            without ``rope=True``, of the wrong shape or negative.
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
         self._check_state(state, x)
+        positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
+        if self.rope:                                                     # the cache keeps rotated keys
+            q, k = apply_rope(q, positions, base=self.rope_base), apply_rope(k, positions, base=self.rope_base)
         # the returned cache owns its memory: never the caller's mask itself
         mask = attention_mask.clone() if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
         if state is not None:
@@ -578,6 +693,12 @@ class SoftmaxAttention(_MultiHeadProjections):
             allowed = allowed & (torch.arange(Tk, device=mask.device) <= q_pos)
         empty = ~allowed.any(dim=-1, keepdim=True)                        # (B, 1, T, 1)
         return allowed | empty, empty                                     # no -inf-only rows: no NaN
+
+    def decoding_state_nbytes(self, seq_len: int, batch: int = 1) -> int:
+        """Bytes of the :class:`KVCache` after ``seq_len`` tokens (padding included), for inputs in the
+        parameters' dtype: ``2·B·H_kv·seq_len·head_dim`` numbers and the ``(B, seq_len)`` bool mask."""
+        element = self.q_proj.weight.element_size()
+        return batch * seq_len * (2 * self.n_kv_heads * self.head_dim * element + 1)
 
     def _check_state(self, state, x: Tensor) -> None:
         """Checked at every use (not only when the cache was built: its attributes may have been replaced)."""
@@ -760,24 +881,39 @@ class LinearMultiheadAttention(_MultiHeadProjections):
 
 
 def _make_attention(attention: str, d_model: int, n_heads: int, *, n_kv_heads, feature_map, causal,
-                    chunk_size, bias) -> nn.Module:
+                    chunk_size, bias, rope, mixer_options) -> nn.Module:
+    """The token mixer named ``attention``; ``rope`` reaches the softmax and φ-linear layers only."""
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a str, got {type(attention).__name__}")
     if attention == "linear":
         return LinearAttention(d_model, n_heads, n_kv_heads=n_kv_heads, feature_map=feature_map, causal=causal,
-                               chunk_size=chunk_size, bias=bias)
+                               chunk_size=chunk_size, bias=bias, rope=rope)
     if attention == "softmax":
-        return SoftmaxAttention(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, bias=bias)
+        return SoftmaxAttention(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, bias=bias, rope=rope)
+    if attention in RULES:
+        if not _checks.check_bool(causal, "causal"):
+            raise ValueError(f"attention={attention!r} (a LinearMixer) is causal only: pass causal=True")
+        options = dict(mixer_options)
+        options["negative_eigenvalues"] = options.get("negative_eigenvalues", False) and attention in DELTA_RULES
+        return LinearMixer(d_model, n_heads, rule=attention, n_kv_heads=n_kv_heads, chunk_size=chunk_size,
+                           bias=bias, **options)
     raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def _state_type(attn: nn.Module) -> type:
+    """The decoding state a token mixer keeps."""
+    if isinstance(attn, LinearAttention):
+        return LinearAttentionState
+    return MixerState if isinstance(attn, LinearMixer) else KVCache
 
 
 class TransformerBlock(nn.Module):
     """A pre-norm Transformer block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``.
 
-    The attention sublayer is :class:`LinearAttention` or :class:`SoftmaxAttention`; the
-    MLP is ``Linear(d_model, mlp_ratio·d_model)``, GELU, ``Linear(mlp_ratio·d_model, d_model)``
-    (Vaswani et al., 2017, with the layer norm moved before each sublayer as in GPT-2 and
-    Xiong et al., 2020).
+    The token mixer is :class:`LinearAttention`, :class:`SoftmaxAttention` or a
+    :class:`~linattn.LinearMixer`; the MLP is ``Linear(d_model, mlp_ratio·d_model)``, GELU,
+    ``Linear(mlp_ratio·d_model, d_model)`` (Vaswani et al., 2017, with the layer norm moved
+    before each sublayer as in GPT-2 and Xiong et al., 2020).
 
     Parameters
     ----------
@@ -786,54 +922,72 @@ class TransformerBlock(nn.Module):
     n_kv_heads : int, optional
         Key-value heads (default ``n_heads``).
     attention : str
-        ``"linear"`` or ``"softmax"``.
+        One of :data:`ATTENTIONS`: ``"linear"``, ``"softmax"``, or a rule of
+        :class:`~linattn.LinearMixer` (``"retention"``, ``"gla"``, ``"delta"``,
+        ``"gated_delta"``, ``"kda"``; these need ``causal=True``).
     feature_map : str or callable
-        φ of linear attention (ignored for softmax).
+        φ of linear attention (used by ``"linear"`` only).
     causal : bool
         Causal attention (needed for language modelling and decoding).
     mlp_ratio : int
         Hidden width of the MLP in multiples of ``d_model``.
     chunk_size : int
-        Chunk length of causal linear attention.
+        Chunk length of the causal chunkwise algorithms.
     bias : bool
         Biases in the attention projections (the MLP and layer norms always have them).
+    rope : bool
+        Rotary positions in ``"softmax"`` and ``"linear"`` layers (see their docstrings); the
+        mixers of :class:`~linattn.LinearMixer` take no positions and ignore it.
+    short_conv, conv_size, qk_norm, negative_eigenvalues, output_norm, output_gate
+        Options of :class:`~linattn.LinearMixer` (used by its rules only;
+        ``negative_eigenvalues`` by the delta rules only).
 
     Raises
     ------
     TypeError
         As the attention layers, plus a non-str ``attention`` or a non-integer ``mlp_ratio``.
     ValueError
-        As the attention layers, plus an unknown ``attention`` or ``mlp_ratio < 1``.
+        As the attention layers, plus an unknown ``attention``, ``mlp_ratio < 1``, or a
+        :class:`~linattn.LinearMixer` rule with ``causal=False``.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None, attention: str = "linear",
                  feature_map: Union[str, FeatureMap, None] = "elu+1", causal: bool = False, mlp_ratio: int = 4,
-                 chunk_size: int = 64, bias: bool = False) -> None:
+                 chunk_size: int = 64, bias: bool = False, rope: bool = False, short_conv: bool = True,
+                 conv_size: int = 4, qk_norm: bool = True, negative_eigenvalues: bool = False,
+                 output_norm: bool = True, output_gate: bool = True) -> None:
         super().__init__()
         mlp_ratio = _checks.check_positive_int(mlp_ratio, "mlp_ratio")
+        mixer_options = dict(short_conv=short_conv, conv_size=conv_size, qk_norm=qk_norm,
+                             negative_eigenvalues=negative_eigenvalues, output_norm=output_norm,
+                             output_gate=output_gate)
         self.ln_1 = nn.LayerNorm(d_model)
         self.attn = _make_attention(attention, d_model, n_heads, n_kv_heads=n_kv_heads, feature_map=feature_map,
-                                    causal=causal, chunk_size=chunk_size, bias=bias)
+                                    causal=causal, chunk_size=chunk_size, bias=bias, rope=rope,
+                                    mixer_options=mixer_options)
         self.ln_2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
                                  nn.Linear(mlp_ratio * d_model, d_model))
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None, state=None,
-                return_state: bool = False):
+                return_state: bool = False, positions: Optional[Tensor] = None):
         """``(B, T, d_model) -> (B, T, d_model)``; ``attention_mask``, ``state`` and
-        ``return_state`` are passed to the attention layer (see :meth:`LinearAttention.forward`
-        and :meth:`SoftmaxAttention.forward`, whose errors it raises).
+        ``return_state`` are passed to the token mixer (see :meth:`LinearAttention.forward`,
+        :meth:`SoftmaxAttention.forward` and :meth:`linattn.LinearMixer.forward`, whose errors
+        it raises), and ``positions`` (``(B, T)`` int64) to a mixer built with ``rope=True``
+        (the others have no use for it and do not get it).
 
         Returns
         -------
         y : Tensor
             ``(B, T, d_model)``.
-        state : LinearAttentionState or KVCache
+        state : LinearAttentionState, MixerState or KVCache
             Only if ``return_state``.
         """
+        extra = {"positions": positions} if getattr(self.attn, "rope", False) else {}
         a = self.attn(self.ln_1(x), attention_mask=attention_mask, state=state,
-                      return_state=return_state)                         # (B, T, d_model)
+                      return_state=return_state, **extra)                # (B, T, d_model)
         if return_state:
             a, state = a
         x = x + a
@@ -843,30 +997,62 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class TransformerConfig:
-    """The hyper-parameters of :class:`TransformerLM` (``TransformerLM(**asdict(config))``)."""
+    """The hyper-parameters of :class:`TransformerLM` (``TransformerLM(**asdict(config))``
+    rebuilds the model); see :class:`TransformerLM` for their meaning."""
 
     vocab_size: int
     d_model: int
     n_layers: int
     n_heads: int
     n_kv_heads: Optional[int] = None
-    attention: str = "linear"
+    attention: Union[str, list] = "linear"          # one name for every layer, or a list: one per layer
     feature_map: Union[str, FeatureMap, None] = "elu+1"
-    max_len: int = 256
+    max_len: Optional[int] = None
     mlp_ratio: int = 4
     chunk_size: int = 64
     bias: bool = False
+    positions: str = DEFAULT_POSITIONS
+    short_conv: bool = True                         # the LinearMixer options
+    conv_size: int = 4
+    qk_norm: bool = True
+    negative_eigenvalues: bool = False
+    output_norm: bool = True
+    output_gate: bool = True
+
+    def mixers(self) -> list:
+        """The token mixer of each layer: a list of ``n_layers`` names."""
+        return [self.attention] * self.n_layers if isinstance(self.attention, str) else list(self.attention)
 
 
 class TransformerLM(nn.Module):
-    """A decoder-only Transformer language model with linear or softmax attention.
+    """A decoder-only Transformer language model with linear, softmax or hybrid token mixing.
 
-    Token embedding plus a learned absolute position embedding (positions ``0 ..
-    max_len - 1``), ``n_layers`` causal :class:`TransformerBlock`\\ s, a final layer norm and
+    Token embedding, ``n_layers`` causal :class:`TransformerBlock`\\ s, a final layer norm and
     an output layer tied to the token embedding (Press & Wolf, 2017), as in GPT-2 and
     nanoGPT. With ``attention="linear"`` it is the linear Transformer of Katharopoulos et
     al. (2020): trained in parallel (chunkwise), it generates as an RNN from a fixed-size
-    state; with ``"softmax"`` it generates from a KV cache.
+    state; with ``"softmax"`` it generates from a KV cache; with a rule of
+    :class:`~linattn.LinearMixer` (``"gated_delta"``, ...) from that mixer's fixed-size state.
+    A list names one mixer per layer, a hybrid such as ``["gated_delta"] * 3 + ["softmax"]``
+    (the pattern of Qwen3-Next and Kimi Linear: mostly linear layers, a few softmax ones);
+    its decoding state holds a fixed-size state for each linear layer and a KV cache for
+    each softmax layer (:meth:`decoding_state_nbytes`).
+
+    Positions (``positions=``, see :mod:`linattn.positions`):
+
+    - ``"learned"``: a learned absolute embedding of ``max_len`` rows added to the token
+      embedding (GPT-2); a sequence then holds at most ``max_len`` real tokens. This is the
+      model of chapter 8 (``positions="learned", max_len=128``).
+    - ``"rope"``: rotary embeddings in every softmax and φ-linear layer (RoFormer; for
+      linear attention in the numerator only, see :class:`LinearAttention`); nothing is
+      learned and nothing bounds the length.
+    - ``"none"``: no position signal besides causality (and the short convolutions).
+
+    The :class:`~linattn.LinearMixer` layers take no positions in any scheme: their short
+    convolutions and decays give them order. The default is
+    :data:`linattn.positions.DEFAULT_POSITIONS` (``"rope"``), which does not bound how long a
+    linear model generates. Positions count real tokens, so a left-padded prompt is processed
+    exactly as the same prompt alone.
 
     Parameters
     ----------
@@ -880,21 +1066,30 @@ class TransformerLM(nn.Module):
         Query heads per block.
     n_kv_heads : int, optional
         Key-value heads per block (GQA/MQA); default ``n_heads``.
-    attention : str
-        ``"linear"`` or ``"softmax"``.
+    attention : str or list of str
+        The token mixer, one of :data:`ATTENTIONS` (``"linear"``, ``"softmax"``,
+        ``"retention"``, ``"gla"``, ``"delta"``, ``"gated_delta"``, ``"kda"``): one name for
+        every layer, or a list (or tuple, stored as a list) of ``n_layers`` names.
     feature_map : str or callable
         φ of linear attention (default ``"elu+1"``). One callable object is shared by all
         blocks; a name builds one map per block (with the blocks' ``head_dim`` for
         ``"hedgehog"`` and ``"performer"``).
-    max_len : int
-        Number of learned positions: a sequence (prompt plus generated tokens) may have
-        at most ``max_len`` real tokens.
+    max_len : int, optional
+        The longest sequence (real tokens, earlier calls included). Required with
+        ``positions="learned"`` (the number of learned positions); with ``"rope"`` and
+        ``"none"`` optional, a limit of your choosing, None (the default) for none.
     mlp_ratio : int
         MLP hidden width in multiples of ``d_model``.
     chunk_size : int
-        Chunk length of causal linear attention.
+        Chunk length of the causal chunkwise algorithms.
     bias : bool
         Biases in the attention projections.
+    positions : str
+        ``"learned"``, ``"rope"`` or ``"none"`` (above).
+    short_conv, conv_size, qk_norm, negative_eigenvalues, output_norm, output_gate
+        Options of the :class:`~linattn.LinearMixer` layers (defaults: all on, kernel 4,
+        ``β`` in (0, 1)); ``negative_eigenvalues`` reaches the delta rules only. Other layers
+        do not use them.
 
     Attributes
     ----------
@@ -905,33 +1100,57 @@ class TransformerLM(nn.Module):
     Raises
     ------
     TypeError
-        A size that is not an integer, a ``bias`` that is not a bool, an ``attention`` that
-        is not a str, a ``feature_map`` that is neither a name, a callable nor None.
+        A size that is not an integer, a flag that is not a bool, an ``attention`` that is
+        neither a str nor a list or tuple of str, a ``positions`` that is not a str, a
+        ``feature_map`` that is neither a name, a callable nor None.
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
-        ``n_kv_heads``, an unknown ``attention`` or feature map name.
+        ``n_kv_heads``, an unknown mixer name, a list of mixers whose length is not
+        ``n_layers``, an unknown ``positions``, ``positions="learned"`` without ``max_len``,
+        ``positions="rope"`` with an odd ``head_dim`` and softmax layers, ``conv_size < 2``,
+        an unknown feature map name.
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *,
-                 n_kv_heads: Optional[int] = None, attention: str = "linear",
-                 feature_map: Union[str, FeatureMap, None] = "elu+1", max_len: int = 256, mlp_ratio: int = 4,
-                 chunk_size: int = 64, bias: bool = False) -> None:
+                 n_kv_heads: Optional[int] = None, attention: Union[str, list] = "linear",
+                 feature_map: Union[str, FeatureMap, None] = "elu+1", max_len: Optional[int] = None,
+                 mlp_ratio: int = 4, chunk_size: int = 64, bias: bool = False, positions: str = DEFAULT_POSITIONS,
+                 short_conv: bool = True, conv_size: int = 4, qk_norm: bool = True,
+                 negative_eigenvalues: bool = False, output_norm: bool = True, output_gate: bool = True) -> None:
         super().__init__()
-        vocab_size, d_model, n_layers, n_heads, max_len, mlp_ratio, chunk_size = (
+        vocab_size, d_model, n_layers, n_heads, mlp_ratio, chunk_size, conv_size = (
             _checks.check_positive_int(value, name) for value, name in (
                 (vocab_size, "vocab_size"), (d_model, "d_model"), (n_layers, "n_layers"), (n_heads, "n_heads"),
-                (max_len, "max_len"), (mlp_ratio, "mlp_ratio"), (chunk_size, "chunk_size")))
+                (mlp_ratio, "mlp_ratio"), (chunk_size, "chunk_size"), (conv_size, "conv_size")))
         if n_kv_heads is not None:
             n_kv_heads = _checks.check_positive_int(n_kv_heads, "n_kv_heads")
-        bias = _checks.check_bool(bias, "bias")                            # the config holds Python ints
-        self.config = TransformerConfig(vocab_size, d_model, n_layers, n_heads, n_kv_heads, attention, feature_map,
-                                        max_len, mlp_ratio, chunk_size, bias)
+        positions = check_positions_name(positions)
+        if max_len is not None:
+            max_len = _checks.check_positive_int(max_len, "max_len")
+        elif positions == "learned":
+            raise ValueError("positions='learned' needs max_len, the number of learned positions (an int), got "
+                             "None; positions='rope' or 'none' need no max_len")
+        names = _mixer_names(attention, n_layers)
+        bias, short_conv, qk_norm, negative_eigenvalues, output_norm, output_gate = (
+            _checks.check_bool(value, name) for value, name in (
+                (bias, "bias"), (short_conv, "short_conv"), (qk_norm, "qk_norm"),
+                (negative_eigenvalues, "negative_eigenvalues"), (output_norm, "output_norm"),
+                (output_gate, "output_gate")))                             # the config holds Python values
+        if conv_size < 2:
+            raise ValueError(f"conv_size must be >= 2 (a kernel of 1 mixes no tokens), got {conv_size}")
+        self.config = TransformerConfig(
+            vocab_size, d_model, n_layers, n_heads, n_kv_heads, attention if isinstance(attention, str) else names,
+            feature_map, max_len, mlp_ratio, chunk_size, bias, positions, short_conv, conv_size, qk_norm,
+            negative_eigenvalues, output_norm, output_gate)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(max_len, d_model)
+        self.pos_emb = nn.Embedding(max_len, d_model) if positions == "learned" else None
         self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, n_heads, n_kv_heads=n_kv_heads, attention=attention, feature_map=feature_map,
-                             causal=True, mlp_ratio=mlp_ratio, chunk_size=chunk_size, bias=bias)
-            for _ in range(n_layers))
+            TransformerBlock(d_model, n_heads, n_kv_heads=n_kv_heads, attention=name, feature_map=feature_map,
+                             causal=True, mlp_ratio=mlp_ratio, chunk_size=chunk_size, bias=bias,
+                             rope=positions == "rope", short_conv=short_conv, conv_size=conv_size, qk_norm=qk_norm,
+                             negative_eigenvalues=negative_eigenvalues, output_norm=output_norm,
+                             output_gate=output_gate)
+            for name in names)
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight                        # weight tying
@@ -964,7 +1183,7 @@ class TransformerLM(nn.Module):
             as the same prompt alone.
         state : DecodingState, optional
             From an earlier call with ``return_state=True``: ``idx`` continues those sequences.
-            Checked at every call, and each layer's state again by its attention layer.
+            Checked at every call, and each layer's state again by its token mixer.
         return_state : bool
             Also return the state after ``idx``.
 
@@ -984,7 +1203,8 @@ class TransformerLM(nn.Module):
         ValueError
             ``idx`` not 2-D, empty (``B`` or ``T`` = 0) or with ids out of range; a mask not
             ``(B, T)``; a state for a different batch or number of layers, with negative
-            positions or positions on another device; a position ``>= max_len``.
+            positions or positions on another device; a position ``>= max_len`` (when the
+            model has a ``max_len``).
         RuntimeError
             Under ``torch.compile`` (which traces ``forward`` into one graph, no breaks), ids
             out of range, positions ``>= max_len`` and non-0/1 integer masks are checked inside
@@ -996,23 +1216,28 @@ class TransformerLM(nn.Module):
         attention_mask = _check_attention_mask(attention_mask, B, T, idx.device)
         return_state = _checks.check_bool(return_state, "return_state")
         start = self._check_state(state, B, idx.device)                   # (B,)
-        steps = (torch.arange(1, T + 1, device=idx.device).expand(B, T) if attention_mask is None
-                 else attention_mask.long().cumsum(dim=1))              # (B, T) real tokens so far
-        pos = (start[:, None] + steps - 1).clamp_min(0)                   # (B, T) padding before a prompt: 0
-        _checks.check_values(pos < cfg.max_len, "the position of every token",
-                             f"< max_len={cfg.max_len} (the model's learned positions: a sequence holds at most "
-                             f"{cfg.max_len} real tokens, earlier ones in state included)", pos)
-        x = self.tok_emb(idx) + self.pos_emb(pos)                         # (B, T, d_model)
+        pos = token_positions(start, attention_mask, T)                   # (B, T) padding before a prompt: 0
+        if cfg.max_len is not None:
+            why = ("the model's learned positions" if cfg.positions == "learned"
+                   else "the limit the model was built with; max_len=None sets none")
+            _checks.check_values(pos < cfg.max_len, "the position of every token",
+                                 f"< max_len={cfg.max_len} ({why}: a sequence holds at most {cfg.max_len} real "
+                                 "tokens, earlier ones in state included)", pos)
+        x = self.tok_emb(idx)                                             # (B, T, d_model)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(pos)
+        rope_positions = pos if cfg.positions == "rope" else None
         layer_states = []
         for i, block in enumerate(self.blocks):
             out = block(x, attention_mask=attention_mask, state=None if state is None else state.layers[i],
-                        return_state=return_state)
+                        return_state=return_state, positions=rope_positions)
             x, s = out if return_state else (out, None)
             layer_states.append(s)
         logits = self.lm_head(self.ln_f(x))                               # (B, T, vocab_size)
         if not return_state:
             return logits
-        return logits, DecodingState(layer_states, start + steps[:, -1])
+        n_real = torch.full_like(start, T) if attention_mask is None else attention_mask.sum(dim=1)
+        return logits, DecodingState(layer_states, start + n_real)
 
     def _check_idx(self, idx) -> None:
         """``idx`` is a ``(B, T)`` int64 tensor of ids on the model's device (as a graph-safe value check)."""
@@ -1039,7 +1264,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"state must hold one layer state per block ({self.config.n_layers}), got "
                              f"{len(state.layers)}")
         for i, (s, block) in enumerate(zip(state.layers, self.blocks)):
-            kind = LinearAttentionState if isinstance(block.attn, LinearAttention) else KVCache
+            kind = _state_type(block.attn)
             if not isinstance(s, kind):
                 raise TypeError(f"state.layers[{i}] must be a {kind.__name__} for block {i} "
                                 f"({type(block.attn).__name__}), got {type(s).__name__}")
@@ -1051,6 +1276,36 @@ class TransformerLM(nn.Module):
             raise ValueError(f"state.positions is on {p.device} but idx is on {device}")
         _checks.check_values(p >= 0, "state.positions", "a count of tokens seen, >= 0", p)
         return p
+
+    def decoding_state_nbytes(self, position: int, batch: int = 1) -> int:
+        """Bytes of the :class:`DecodingState` after ``position`` tokens (no padding), computed from the sizes.
+
+        Equal to ``state.nbytes`` of the state :meth:`forward` returns after ``position``
+        tokens of ``batch`` sequences in the parameters' dtype: a fixed size for each
+        linear layer (:class:`~linattn.LinearAttentionState`, :class:`~linattn.MixerState`),
+        a cache growing by one key and one value per token for each softmax layer, and the
+        ``(batch,)`` int64 positions. For plots of memory against position.
+
+        Parameters
+        ----------
+        position : int
+            Tokens seen, ``>= 0`` (at most ``max_len`` when the model has one).
+        batch : int
+            Sequences, ``>= 1``.
+
+        Raises
+        ------
+        TypeError
+            A non-integer ``position`` or ``batch``.
+        ValueError
+            ``position < 0`` or past ``max_len``; ``batch < 1``.
+        """
+        position = _check_count(position, "position")
+        batch = _checks.check_positive_int(batch, "batch")
+        if self.config.max_len is not None and position > self.config.max_len:
+            raise ValueError(f"position must be <= max_len={self.config.max_len}, got {position}")
+        layers = sum(block.attn.decoding_state_nbytes(position, batch) for block in self.blocks)
+        return layers + batch * torch.empty((), dtype=torch.long).element_size()
 
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.
@@ -1072,14 +1327,16 @@ class TransformerLM(nn.Module):
         """Continue each prompt by ``max_new_tokens`` tokens, one at a time, from the decoding state.
 
         The prompt is processed in one parallel pass that returns the state (the recurrent
-        state of linear attention, the KV cache of softmax attention); each new token then
+        state of each linear layer, the KV cache of each softmax layer); each new token then
         costs one step from that state. Sampling follows nanoGPT: the logits optionally cut
         to the ``top_k`` largest, divided by ``temperature``, then a draw from their softmax.
         Every argument is checked before anything runs, whatever ``max_new_tokens`` is.
 
-        A sequence holds at most ``max_len`` real tokens, the prompt's and the generated
-        ones together (``longest prompt + max_new_tokens <= max_len``), so the returned
-        sequences are valid inputs of :meth:`forward` (with the mask extended by True).
+        A model with a ``max_len`` holds at most ``max_len`` real tokens per sequence, the
+        prompt's and the generated ones together (``longest prompt + max_new_tokens <=
+        max_len``), so the returned sequences are valid inputs of :meth:`forward` (with the mask
+        extended by True). Without one (``positions="rope"`` or ``"none"`` and ``max_len=None``)
+        any number of tokens can be generated; with only linear layers each costs the same.
 
         Parameters
         ----------
@@ -1121,7 +1378,7 @@ class TransformerLM(nn.Module):
             out of range; negative ``max_new_tokens``; a negative or non-finite
             ``temperature``; ``top_k < 1``; a generator on another device type; a mask that is
             not ``(B, T)`` or not left padding; a prompt plus ``max_new_tokens`` longer than
-            ``max_len``.
+            ``max_len`` (when the model has one).
         """
         self._check_idx(idx)
         B, T = idx.shape
@@ -1141,7 +1398,7 @@ class TransformerLM(nn.Module):
                 raise ValueError("attention_mask must describe left padding (each row False... then True..., "
                                  "ending in a real token) for generate")
         longest = T if attention_mask is None else int(attention_mask.sum(dim=1).max())
-        if longest + max_new_tokens > self.config.max_len:
+        if self.config.max_len is not None and longest + max_new_tokens > self.config.max_len:
             raise ValueError(f"a prompt of {longest} real tokens plus max_new_tokens={max_new_tokens} makes "
                              f"{longest + max_new_tokens} tokens but the model has max_len={self.config.max_len} "
                              "positions")
@@ -1238,6 +1495,27 @@ def _build_feature_map(feature_map, head_dim: int):
         if cls is not None and "head_dim" in inspect.signature(cls).parameters:
             return get_feature_map(feature_map, head_dim=head_dim)
     return resolve_feature_map(feature_map)
+
+
+def _mixer_names(attention, n_layers: int) -> list:
+    """``attention`` (one name, or one per layer) as a list of ``n_layers`` checked names."""
+    if isinstance(attention, str):
+        names = [attention] * n_layers
+    elif isinstance(attention, (list, tuple)):
+        if len(attention) != n_layers:
+            raise ValueError(f"attention must name one token mixer per layer, n_layers={n_layers} names, got a "
+                             f"{type(attention).__name__} of {len(attention)}: {list(attention)!r}")
+        names = list(attention)
+    else:
+        raise TypeError(f"attention must be a str or a list of str (one per layer), got "
+                        f"{_checks.type_name(attention)}")
+    for i, name in enumerate(names):
+        where = "attention" if isinstance(attention, str) else f"attention[{i}]"
+        if not isinstance(name, str):
+            raise TypeError(f"{where} must be a str, one of {ATTENTIONS}, got {_checks.type_name(name)}")
+        if name not in ATTENTIONS:
+            raise ValueError(f"{where} must be one of {ATTENTIONS}, got {name!r}")
+    return names
 
 
 def _check_attention_mask(mask, batch: int, seq: int, device) -> Optional[Tensor]:

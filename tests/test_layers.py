@@ -292,7 +292,9 @@ def test_bad_model_arguments():
     with pytest.raises(ValueError, match="feature_map"):
         TransformerLM(10, 32, 2, 4, feature_map="nope")
     with pytest.raises(TypeError, match="max_len"):
-        TransformerLM(10, 32, 2, 4, max_len=None)
+        TransformerLM(10, 32, 2, 4, max_len=16.0)
+    with pytest.raises(ValueError, match="positions='learned' needs max_len"):   # rope and none need none
+        TransformerLM(10, 32, 2, 4, positions="learned", max_len=None)
 
 
 @pytest.mark.parametrize("cls", [LinearAttention, SoftmaxAttention])

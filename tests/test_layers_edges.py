@@ -242,7 +242,7 @@ def test_a_mutated_decoding_state_is_checked_when_it_is_used(attention):
     nxt = _ids(2, 1, seed=2)
     good_layers, good_positions = list(state.layers), state.positions
     state.layers[0] = None                                    # was silently taken as "no earlier tokens"
-    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a LinearAttentionState or a KVCache, got NoneType"):
+    with pytest.raises(TypeError, match=r"state.layers\[0\] must be a LinearAttentionState, a MixerState or a KVCache, got NoneType"):
         model(nxt, state=state)
     state.layers = good_layers
     for positions, error, match in [
@@ -262,7 +262,7 @@ def test_a_mutated_decoding_state_is_checked_when_it_is_used(attention):
 
 
 def test_decoding_state_is_checked_when_built():
-    with pytest.raises(TypeError, match=r"state.layers\[1\] must be a LinearAttentionState or a KVCache, got int"):
+    with pytest.raises(TypeError, match=r"state.layers\[1\] must be a LinearAttentionState, a MixerState or a KVCache, got int"):
         DecodingState([KVCache(*_cache_parts()), 3], torch.zeros(2, dtype=torch.long))
     with pytest.raises(TypeError, match=r"state.positions must be an int64 tensor"):
         DecodingState([], torch.zeros(2))
