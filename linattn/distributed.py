@@ -17,7 +17,7 @@ this module adds:
 - :func:`count_bytes`: counts the bytes each rank hands to ``torch.distributed``.
 - :func:`run_on_ranks` and :func:`measure_sequence_parallel`: start a process group of
   ``P`` CPU processes (gloo on 127.0.0.1), run a module-level function on every rank and
-  return the results; the tests and chapter 11 use them.
+  return the results; the tests and chapter 12 use them.
 
 Every rank must make the same calls in the same order (as with any collective code), and
 when training, every rank must call ``backward`` on a loss that uses the output.
@@ -697,7 +697,7 @@ def sequence_parallel_linear_attention(
         its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
         state of ``n`` bytes) or ``"ring"`` (rank ``r`` receives the running sum from
         ``r - 1`` and sends it on: ``n`` bytes per rank, but ``P - 1`` hops one after the
-        other). Case and surrounding spaces are ignored, as for ``method``. Chapter 11
+        other). Case and surrounding spaces are ignored, as for ``method``. Chapter 12
         measures both. When ``causal=False`` it is not used: it must still be one of the
         two names, but the ranks need not agree on it.
     return_state : bool
@@ -888,7 +888,7 @@ def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causa
     are left out of the weighted sum rather than multiplied by a zero weight. Each rank sends
     ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)`` numbers for equal slices, linear in ``T``.
 
-    This is the baseline for chapter 11: forward only (no backward pass), and each step
+    This is the baseline for chapter 12: forward only (no backward pass), and each step
     forms the full ``(B, H, Tq, T_block)`` score block.
 
     Parameters
@@ -1197,7 +1197,7 @@ def _collect(procs: list, result_dir: str, results: dict, deadline: float, grace
 
 
 # ---------------------------------------------------------------------------------------
-# Measuring time and bytes (chapter 11)
+# Measuring time and bytes (chapter 12)
 # ---------------------------------------------------------------------------------------
 
 _CASE_DEFAULTS = dict(batch=1, heads=2, head_dim=16, causal=True, state_exchange="allgather",
