@@ -1,0 +1,245 @@
+"""Studies too heavy for a notebook: one command each, results written with their provenance.
+
+``python -m linattn.experiments NAME [--workers W] [--cells I,J,...] [--out PATH]`` runs the grid
+of study ``NAME`` (seeds × budgets × models × ...), one grid cell per call of the study's
+``run_cell`` in a worker process with one intra-op thread, and writes a JSON results file
+(by default ``chapters/results/NAME.json``) that holds, besides the results, everything needed
+to reproduce them: the grid, seeds, budgets, the command, the number of threads, the torch and
+Python versions, the CPU, the git commit, the start time and the wall time. The chapter that
+plots the study reads the file, prints the command, and re-runs one cell under nbval, which must
+reproduce the cached value (:func:`check_cell`).
+
+A study is a module of this package with
+
+- ``NAME``: the command-line name;
+- ``DESCRIPTION``: one line;
+- ``grid() -> list[dict]``: the cells, each a JSON-serialisable dict of arguments;
+- ``run_cell(cell: dict) -> dict``: one cell's results (JSON-serialisable; deterministic for a
+  fixed seed and one thread);
+- optionally ``summarise(rows: list[dict]) -> dict``: derived numbers stored next to the rows.
+
+:data:`STUDIES` lists the registered ones.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "results_path"]
+
+STUDIES: dict[str, str] = {}
+"""Study name -> module: a module of this package (``"recall"``) or a full dotted path."""
+
+
+def register(name: str, module: str) -> None:
+    """Make study ``name`` runnable: ``module`` names a module of this package or a dotted path."""
+    STUDIES[name] = module
+
+
+def study(name: str):
+    """The module of study ``name``.
+
+    Raises
+    ------
+    ValueError
+        If no study has that name (the message lists the known ones).
+    """
+    if not isinstance(name, str) or name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; known studies: {', '.join(sorted(STUDIES)) or 'none'}")
+    return importlib.import_module(_module_path(name))
+
+
+def _module_path(name: str) -> str:
+    module = STUDIES[name]
+    return module if "." in module else f"{__name__}.{module}"
+
+
+def _repo_root() -> Optional[pathlib.Path]:
+    here = pathlib.Path(__file__).resolve().parents[2]
+    return here if (here / "chapters").is_dir() else None
+
+
+def results_path(name: str) -> pathlib.Path:
+    """Where study ``name`` keeps its results: ``chapters/results/<name>.json`` of the repository."""
+    root = _repo_root() or pathlib.Path.cwd()
+    return root / "chapters" / "results" / f"{name}.json"
+
+
+def _git_commit() -> Optional[str]:
+    root = _repo_root()
+    if root is None:
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "linattn"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("+uncommitted changes in linattn/" if dirty else "")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(threads: int) -> dict:
+    """What identifies the software and machine a result came from."""
+    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_worker": threads,
+            "commit": _git_commit()}
+
+
+def _run_cells(module: str, cells: list[dict], threads: int) -> list[dict]:
+    """Run cells of the study in ``module`` (a dotted path) in this process: one thread, each cell timed."""
+    torch.set_num_threads(threads)
+    mod = importlib.import_module(module)
+    rows = []
+    for cell in cells:
+        start = time.perf_counter()
+        result = mod.run_cell(dict(cell))
+        rows.append({"cell": cell, "result": result, "seconds": round(time.perf_counter() - start, 3)})
+    return rows
+
+
+def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = None, out=None,
+              progress: Optional[Callable[[str], None]] = print) -> dict:
+    """Run study ``name`` and write its results file; returns what was written.
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`STUDIES`.
+    workers : int
+        Processes that run cells in parallel, each with one intra-op thread.
+    cells : sequence of int, optional
+        Indices into the study's grid (all cells if None): for a partial rerun.
+    out : path, optional
+        The results file; default :func:`results_path` of ``name``. With ``cells`` given and no
+        ``out``, nothing is written (a partial run must not replace the full results).
+    progress : callable or None
+        Called with one line per finished cell.
+
+    Returns
+    -------
+    dict
+        The results document (``study``, ``description``, ``command``, ``grid_size``,
+        ``provenance``, ``started``, ``elapsed_s``, ``rows``, and ``summary`` if the study has one).
+
+    Raises
+    ------
+    ValueError
+        An unknown study, ``workers < 1``, a cell index out of range.
+    """
+    mod = study(name)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    grid = mod.grid()
+    chosen = list(range(len(grid))) if cells is None else list(cells)
+    for i in chosen:
+        if not (0 <= i < len(grid)):
+            raise ValueError(f"cell index {i} is out of range for study {name!r} with {len(grid)} cells")
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    todo = [grid[i] for i in chosen]
+    rows: list[dict] = []
+    if workers == 1:
+        for row in _iter_rows(name, todo, progress):
+            rows.append(row)
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(workers) as pool:
+            for batch in pool.imap(_worker, [(_module_path(name), [c]) for c in todo]):
+                for row in batch:
+                    rows.append(row)
+                    if progress is not None:
+                        progress(_progress_line(len(rows), len(todo), row))
+    doc = {"study": name, "description": getattr(mod, "DESCRIPTION", ""),
+           "command": "python -m linattn.experiments " + name + (f" --workers {workers}" if workers > 1 else ""),
+           "grid_size": len(grid), "cells_run": chosen if cells is not None else "all",
+           "provenance": provenance(threads=1), "started": started,
+           "elapsed_s": round(time.perf_counter() - t0, 1), "rows": rows}
+    if hasattr(mod, "summarise") and cells is None:
+        doc["summary"] = mod.summarise(rows)
+    if out is None and cells is None:
+        out = results_path(name)
+    if out is not None:
+        out = pathlib.Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    return doc
+
+
+def _worker(args):
+    module, cells = args
+    return _run_cells(module, cells, threads=1)
+
+
+def _iter_rows(name: str, cells: list[dict], progress) -> Iterable[dict]:
+    for i, cell in enumerate(cells):
+        (row,) = _run_cells(_module_path(name), [cell], threads=1)
+        if progress is not None:
+            progress(_progress_line(i + 1, len(cells), row))
+        yield row
+
+
+def _progress_line(i: int, n: int, row: dict) -> str:
+    return f"[{i}/{n}] {json.dumps(row['cell'], sort_keys=True)} {row['seconds']:.1f} s"
+
+
+def load_results(name_or_path) -> dict:
+    """The results document of a study (by name, from :func:`results_path`, or by path).
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no results file; the message gives the command that makes it.
+    """
+    path = pathlib.Path(name_or_path) if str(name_or_path).endswith(".json") else results_path(name_or_path)
+    if not path.is_file():
+        name = path.stem
+        raise FileNotFoundError(f"no results file {path}; run: python -m linattn.experiments {name}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
+    """Re-run cell ``index`` of a results document here (one thread); returns (cached, recomputed) results.
+
+    The chapter prints both, rounded to what reproduces, so that nbval compares the cached
+    number with one computed today.
+
+    Raises
+    ------
+    ValueError
+        An index that is not one of the document's rows.
+    """
+    rows = doc["rows"]
+    if not (0 <= index < len(rows)):
+        raise ValueError(f"index must be in [0, {len(rows)}), got {index}")
+    threads = torch.get_num_threads()
+    try:
+        (fresh,) = _run_cells(_module_path(doc["study"]), [rows[index]["cell"]], threads=1)
+    finally:
+        torch.set_num_threads(threads)
+    return rows[index]["result"], fresh["result"]
+
+
+# The registered studies (modules of this package).
