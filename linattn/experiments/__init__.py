@@ -244,3 +244,5 @@ def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
 
 # The registered studies (modules of this package).
 register("positions", "positions")
+register("recall_conv_sweep", "recall_conv_sweep")
+register("recall_conv", "recall_conv")
