@@ -246,3 +246,5 @@ def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
 register("positions", "positions")
 register("recall_conv_sweep", "recall_conv_sweep")
 register("recall_conv", "recall_conv")
+register("modern_lm_sweep", "modern_lm_sweep")
+register("modern_lm", "modern_lm")

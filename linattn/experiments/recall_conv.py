@@ -23,6 +23,7 @@ BASE = dict(d_model=64, n_layers=2, n_heads=4, chunk_size=32)
 LRS = (1e-3, 3e-3, 1e-2)
 STEPS = 600
 SEEDS = (0, 1, 2)
+CHECK_STEPS = 40        # a short cell for the chapter to re-run under nbval
 
 
 def sweep_grid() -> list[dict]:
@@ -44,6 +45,7 @@ def grid() -> list[dict]:
     lrs = best_lrs(load_results("recall_conv_sweep"))
     cells = [dict(model=m, lr=lrs[m], seed=s, steps=STEPS) for m in MODELS for s in SEEDS]
     cells += [dict(model=m, lr=lrs[m], seed=0, steps=5 * STEPS) for m in MODELS]
+    cells.append(dict(model="gated delta + conv", lr=lrs["gated delta + conv"], seed=0, steps=CHECK_STEPS))
     return cells
 
 
