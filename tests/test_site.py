@@ -194,8 +194,9 @@ PROBE_JS = r"""
       return {
         src: img.currentSrc || img.src, complete: img.complete, naturalWidth: img.naturalWidth,
         alt: img.getAttribute('alt'),
-        // A figure of the page's own content (not the theme's icons): it needs a caption.
-        inArticle: !!img.closest('article, [role="main"]'),
+        // A figure of the page's own content, inside the theme's <article> (not the icons of
+        // its header bar, such as the launch menu's Colab logo): it needs a caption.
+        inArticle: !!img.closest('article'),
         caption: caption ? caption.textContent.trim() : null };
     }),
     math: {
