@@ -177,6 +177,21 @@ def test_bibliography_exists_and_keys_are_unique():
     assert not dupes, f"duplicate keys in references.bib: {dupes}"
 
 
+def test_bibliography_parses_strictly():
+    """Every entry is well formed (a missing brace would merge two entries and lose one)."""
+    pybtex_database = pytest.importorskip("pybtex.database")
+    from pybtex import errors
+
+    errors.set_strict_mode(True)
+    try:
+        db = pybtex_database.parse_file(str(BIB))
+    finally:
+        errors.set_strict_mode(False)
+    assert sorted(db.entries.keys()) == sorted(_bib_keys())
+    for key, entry in db.entries.items():
+        assert entry.fields.get("title") and entry.fields.get("year"), f"{key}: needs a title and a year"
+
+
 def test_citation_regex_self_check():
     text = "see {cite}`a2020x` and {cite:t}`b, c_d` or {cite:p}`e-f,g:h` but not `{cite}` alone"
     assert _citations(text) == ["a2020x", "b", "c_d", "e-f", "g:h"]
