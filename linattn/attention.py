@@ -141,7 +141,9 @@ def linear_attention(
       when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
       kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it);
       ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
-      PyTorch path takes over with a ``RuntimeWarning``.
+      PyTorch path takes over with a ``RuntimeWarning``. On the CPU, ``LINATTN_CPU_KERNEL=1``
+      selects the compiled CPU path of :mod:`linattn.kernels.cpu` for float32/float64 (built on
+      first use where a C++ compiler exists; the PyTorch path otherwise).
     - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
 
     Parameters
@@ -251,6 +253,13 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
             out_aug, S = fused
             out = finish(out_aug, normalize, eps)
             return out, (LinearAttentionState.from_augmented(S) if return_state else None)
+    if method == "chunk" and _cpu_kernel_applies(phi_q):
+        from .kernels.cpu import causal_linear_attention_cpu
+
+        out, S, z = causal_linear_attention_cpu(
+            phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
+            normalize=normalize, eps=eps, chunk_size=chunk_size)
+        return out, (LinearAttentionState(S, z) if return_state else None)
     if method == "chunk":
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
@@ -286,6 +295,22 @@ def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
     from .kernels import triton_available
 
     return triton_available()
+
+
+def _cpu_kernel_applies(phi_q: Tensor) -> bool:
+    """The compiled CPU kernel runs for CPU float32/float64 features when ``LINATTN_CPU_KERNEL=1``
+    (outside ``torch.compile`` and ``torch.func`` transforms) and the kernel could be built here."""
+    from .kernels import cpu
+
+    if not cpu.cpu_kernel_enabled() or phi_q.device.type != "cpu" or phi_q.dtype not in (torch.float32,
+                                                                                          torch.float64):
+        return False
+    if compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if not cpu.cpu_kernel_available():
+        cpu.warn_unavailable_once()
+        return False
+    return True
 
 
 def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
