@@ -12,7 +12,7 @@ from torch import Tensor
 from . import _checks
 from ._numerics import all_finite, compiling, masked_matmul, no_autocast
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
 from .recurrent import LinearAttentionState, check_initial_state, finish
 
 __all__ = ["softmax_attention", "linear_attention", "METHODS"]
@@ -237,6 +237,10 @@ def linear_attention(
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
                       return_state, acc):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
+    if (method == "chunk" and phi is elu_plus_one and attention_mask is None
+            and not _fused_kernel_applies(q, chunk_size) and _cpu_kernel_applies(q.to(acc))):
+        return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
+                          return_state, acc, feature_map="elu+1")
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
     v32 = v.to(acc)
     if attention_mask is not None:                                         # mask after φ; padded keys
@@ -254,12 +258,7 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
             out = finish(out_aug, normalize, eps)
             return out, (LinearAttentionState.from_augmented(S) if return_state else None)
     if method == "chunk" and _cpu_kernel_applies(phi_q):
-        from .kernels.cpu import causal_linear_attention_cpu
-
-        out, S, z = causal_linear_attention_cpu(
-            phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
-            normalize=normalize, eps=eps, chunk_size=chunk_size)
-        return out, (LinearAttentionState(S, z) if return_state else None)
+        return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
     if method == "chunk":
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
@@ -295,6 +294,19 @@ def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
     from .kernels import triton_available
 
     return triton_available()
+
+
+def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
+    """The compiled CPU path (:mod:`linattn.kernels.cpu`): (output, state or None)."""
+    from .kernels.cpu import causal_linear_attention_cpu
+
+    if initial_state is not None:
+        B, H, _, M = k.shape
+        state0 = check_initial_state(initial_state, B, H, M, v.shape[-1], acc, q.device)
+    out, S, z = causal_linear_attention_cpu(
+        q, k, v, None if state0 is None else state0.S, None if state0 is None else state0.z,
+        normalize=normalize, eps=eps, chunk_size=chunk_size, feature_map=feature_map)
+    return out, (LinearAttentionState(S, z) if return_state else None)
 
 
 def _cpu_kernel_applies(phi_q: Tensor) -> bool:

@@ -38,11 +38,12 @@ def _features(q, k):
 @settings(max_examples=30, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 3), T=st.integers(1, 150), D=st.integers(1, 20),
        Dv=st.integers(1, 20), chunk_size=st.integers(1, 70), normalize=st.booleans(), with_state=st.booleans(),
-       seed=st.integers(0, 2**16))
+       inside=st.booleans(), seed=st.integers(0, 2**16))
 def test_property_values_state_and_every_gradient_match_float64(B, H, T, D, Dv, chunk_size, normalize, with_state,
-                                                               seed):
+                                                               inside, seed):
     """Outputs, final state and the gradients of q, k, v, S0 and z0 against the quadratic form
-    (float64): ragged T, any chunk size, dimensions that are not whole vectors (padded inside)."""
+    (float64): ragged T, any chunk size, dimensions that are not whole vectors (padded inside),
+    elu+1 applied outside or inside the kernel's Function (``feature_map="elu+1"``)."""
     q, k, v = _qkv(B, H, T, D, Dv, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     params = [q, k, v]
@@ -51,8 +52,9 @@ def test_property_values_state_and_every_gradient_match_float64(B, H, T, D, Dv, 
         S0 = torch.rand(B, H, D, Dv, generator=g, dtype=torch.float64).requires_grad_()
         z0 = torch.rand(B, H, D, generator=g, dtype=torch.float64).requires_grad_()
         params += [S0, z0]
-    out, S, z = cpu.causal_linear_attention_cpu(*_features(q, k), v, S0, z0, normalize=normalize,
-                                                chunk_size=chunk_size)
+    qk = (q, k) if inside else _features(q, k)
+    out, S, z = cpu.causal_linear_attention_cpu(*qk, v, S0, z0, normalize=normalize, chunk_size=chunk_size,
+                                                feature_map="elu+1" if inside else None)
     ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=True, normalize=normalize,
                                              initial_state=None if S0 is None else (S0, z0))
     for got, want in ((out, ref), (S, S_ref), (z, z_ref)):
@@ -187,16 +189,26 @@ def test_bad_inputs_are_refused():
 def test_linear_attention_uses_the_kernel_only_when_asked(monkeypatch):
     q, k, v = _qkv(1, 2, 33, 8, 8, dtype=torch.float32)
     monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
-    assert "CpuCausal" not in type(linattn.linear_attention(q, k, v, causal=True).grad_fn).__name__
+    assert "Cpu" not in type(linattn.linear_attention(q, k, v, causal=True).grad_fn).__name__
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
     y, state = linattn.linear_attention(q, k, v, causal=True, return_state=True)
-    assert "CpuCausal" in type(y.grad_fn).__name__
+    assert "CpuEluCausal" in type(y.grad_fn).__name__                 # elu+1 applied inside the kernel's Function
+    y_relu = linattn.linear_attention(q, k, v, causal=True, feature_map="relu")
+    assert "CpuCausal" in type(y_relu.grad_fn).__name__                # other maps: features passed in
+    torch.testing.assert_close(y_relu.double(), ref_linear_attention(q, k, v, causal=True, feature_map="relu")[0],
+                               rtol=1e-5, atol=1e-6)
+    mask = torch.ones(1, 33, dtype=torch.bool)
+    mask[:, :5] = False
+    y_mask = linattn.linear_attention(q, k, v, causal=True, attention_mask=mask)
+    assert "CpuCausal" in type(y_mask.grad_fn).__name__
+    torch.testing.assert_close(y_mask.double(), ref_linear_attention(q, k, v, causal=True, attention_mask=mask)[0],
+                               rtol=1e-5, atol=1e-6)
     ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=True)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state.S.double(), S_ref, rtol=1e-5, atol=1e-5)
     # not for half inputs, other methods, or inside torch.func transforms
-    assert "CpuCausal" not in type(linattn.linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
-                                                            causal=True).grad_fn).__name__
+    assert "Cpu" not in type(linattn.linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                                      causal=True).grad_fn).__name__
     assert not attention._cpu_kernel_applies(torch.zeros(1, 1, 4, 4, dtype=torch.float16))
     grads = torch.func.grad(lambda q_: linattn.linear_attention(q_, k, v, causal=True).sum())(q.detach())
     torch.testing.assert_close(grads, torch.autograd.grad(y.sum(), q)[0], rtol=1e-5, atol=1e-6)

@@ -192,11 +192,11 @@ def compiled_baseline_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk
 
 
 def _chunk_cpu_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
-    """elu+1 features, then the compiled CPU kernel (what ``LINATTN_CPU_KERNEL=1`` dispatches to)."""
+    """The compiled CPU kernel with elu+1 applied inside (what ``LINATTN_CPU_KERNEL=1`` dispatches to)."""
     from ..kernels.cpu import causal_linear_attention_cpu
 
-    phi_q, phi_k, v = _features(q, k, v)
-    return causal_linear_attention_cpu(phi_q, phi_k, v, normalize=True, eps=eps, chunk_size=chunk_size)[0].to(q.dtype)
+    return causal_linear_attention_cpu(q, k, v, normalize=True, eps=eps, chunk_size=chunk_size,
+                                       feature_map="elu+1")[0].to(q.dtype)
 
 
 def method_fn(method: str, chunk_size: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:

@@ -170,7 +170,11 @@ def _library():
             for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
                 fn = getattr(lib, f"linattn_causal_pass_{suffix}")
                 fn.restype = ctypes.c_int
-                fn.argtypes = [p, p, p, p, p, p, p, p, real, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+                fn.argtypes = [p, p, p, p, p, p, p, p, real, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
+                               ctypes.c_int]
+                grad = getattr(lib, f"linattn_elu_grad_{suffix}")
+                grad.restype = None
+                grad.argtypes = [p, p, i64]
             if lib.linattn_vector_bytes() != _VECTOR_BYTES:
                 lib, errors = None, ["library and module disagree on the vector length"]
         _state["error"] = "; ".join(errors) if lib is None else None
@@ -191,27 +195,105 @@ def _pad_to_vector(x: Tensor) -> Tensor:
 
 def _pass(a: Tensor, b: Tensor, c: Tensor, X: Tensor, chunk_size: int, *, reverse: bool,
           z: Optional[Tensor] = None, den: Optional[Tensor] = None, ok: Optional[Tensor] = None,
-          eps: float = 1.0) -> Tensor:
+          eps: float = 1.0, extra: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
     """One pass over (B, H, T, ·) tensors: ``out_t = a_tᵀ X_t``; ``X`` (B, H, Da, Dc) is updated in place.
 
     ``c`` and ``X`` must already be padded to whole vectors (:func:`_pad_to_vector`); ``a`` and
-    ``b`` are contiguous ``(B, H, T, Da)``. Returns ``out`` ``(B, H, T, Dc)``.
+    ``b`` are contiguous ``(B, H, T, Da)``. ``extra = (ea, eb, Xe)`` adds one state row ``Xe``
+    (B, H, Dc) with per-token numbers ``ea``, ``eb`` (B, H, T): ``out_t += ea_t (Xe + Σ eb_s c_s)``,
+    the normaliser's row. Returns ``out`` ``(B, H, T, Dc)``.
     """
     B, H, T, Da = a.shape
     Dc = c.shape[-1]
     out = torch.empty(B, H, T, Dc, dtype=a.dtype)
+    ea, eb, Xe = extra if extra is not None else (None, None, None)
     fn = getattr(_library(), f"linattn_causal_pass_{_DTYPES[a.dtype]}")
-    status = fn(_ptr(a), _ptr(b), _ptr(c), _ptr(out), _ptr(X), _ptr(z), _ptr(den), _ptr(ok), eps, B * H, T, Da,
-                Dc, chunk_size, int(reverse), torch.get_num_threads())
+    status = fn(_ptr(a), _ptr(b), _ptr(c), _ptr(out), _ptr(X), _ptr(z), _ptr(den), _ptr(ok), eps, _ptr(ea),
+                _ptr(eb), _ptr(Xe), B * H, T, Da, Dc, chunk_size, int(reverse), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
     return out
 
 
-def _augment(x: Tensor, column: Optional[Tensor]) -> Tensor:
-    """``[x, column]`` along the last dimension; ``column`` (B, H, T) or None for ones."""
-    extra = torch.ones_like(x[..., :1]) if column is None else column.unsqueeze(-1)
-    return torch.cat([x, extra], dim=-1)
+def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor], z0: Optional[Tensor], normalize: bool,
+             eps: float, chunk_size: int):
+    """The forward pass: output, final state, and the normaliser used (with where it was used as computed)."""
+    B, H, T, M = phi_q.shape
+    Dv = v.shape[-1]
+    vp = _pad_to_vector(v)
+    X = (torch.zeros(B, H, M, vp.shape[-1], dtype=v.dtype) if S0 is None
+         else _pad_to_vector(S0.to(v.dtype)).clone())
+    z = torch.zeros(B, H, M, dtype=v.dtype) if z0 is None else z0.to(v.dtype).clone()
+    den = torch.empty(B, H, T, dtype=v.dtype) if normalize else None
+    ok = torch.empty(B, H, T, dtype=torch.uint8) if normalize else None
+    out = _pass(phi_q, phi_k, vp, X, chunk_size, reverse=False, z=z, den=den, ok=ok, eps=eps)
+    y = out if vp.shape[-1] == Dv else out[..., :Dv].contiguous()
+    S = X if vp.shape[-1] == Dv else X[..., :Dv].contiguous()
+    return y, S, z, den, ok
+
+
+def _backward(g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, needs):
+    """Gradients of φ(q), φ(k), v, S0, z0 (None where not needed): three passes of the kernel.
+
+    With ``g`` the upstream gradient of the output and ``d`` the normaliser used:
+    ``g_num = g / d`` and ``g_d = −(g·y)/d`` (0 where eps replaced d); then (module docstring)
+    dφ(q) is the causal pass (g_num, v, φ(k)) with the normaliser row (g_d, 1) from ``[S0ᵀ; z0]``,
+    dφ(k) the reverse pass (v, g_num, φ(q)) with the row (1, g_d) from ``[g_Sᵀ; g_z]``, ending at
+    ``[·; dz0]``, and dv the reverse pass (φ(k), φ(q), g_num) from ``g_S``, ending at ``dS0``.
+    """
+    normalize, C, has_S0, has_z0 = config
+    B, H, T, M = phi_q.shape
+    Dv = v.shape[-1]
+    need_q, need_k, need_v, need_S0, need_z0 = needs
+    dtype = v.dtype
+    g = torch.zeros_like(y) if g_out is None else g_out.to(dtype).contiguous()
+    g_den = None
+    if normalize:
+        g_den = (g * y).sum(-1).div_(den).neg_().masked_fill_(ok == 0, 0.0)     # (B, H, T)
+        g = g / den.unsqueeze(-1)                                               # (B, H, T, Dv)
+    with_row = normalize or g_z is not None          # z enters the gradients of φ(k) and of z0
+    ones = torch.ones(B, H, T, dtype=dtype) if with_row else None
+    Mp = M + (-M % (_VECTOR_BYTES // v.element_size()))
+    dq = dk = dv = dS0 = dz0 = None
+    if need_q:
+        X = torch.zeros(B, H, Dv, Mp, dtype=dtype)
+        if S0 is not None:
+            X[..., :M] = S0.transpose(-1, -2)
+        extra = None
+        if normalize:
+            Xe = torch.zeros(B, H, Mp, dtype=dtype)
+            if z0 is not None:
+                Xe[..., :M] = z0
+            extra = (g_den, ones, Xe)
+        dq = _pass(g, v, _pad_to_vector(phi_k), X, C, reverse=False, extra=extra)[..., :M]
+    if need_k or (has_z0 and need_z0):
+        X = torch.zeros(B, H, Dv, Mp, dtype=dtype)
+        if g_S is not None:
+            X[..., :M] = g_S.transpose(-1, -2)
+        extra = None
+        if with_row:
+            Xe = torch.zeros(B, H, Mp, dtype=dtype)
+            if g_z is not None:
+                Xe[..., :M] = g_z
+            extra = (ones, g_den if g_den is not None else torch.zeros_like(ones), Xe)
+        dk = _pass(v, g, _pad_to_vector(phi_q), X, C, reverse=True, extra=extra)[..., :M]
+        if with_row:
+            dz0 = extra[2][..., :M]
+    if need_v or (has_S0 and need_S0):
+        gp = _pad_to_vector(g)
+        X = (torch.zeros(B, H, M, gp.shape[-1], dtype=dtype) if g_S is None
+             else _pad_to_vector(g_S.to(dtype)).clone())
+        dv = _pass(phi_k, phi_q, gp, X, C, reverse=True)[..., :Dv]
+        dS0 = X[..., :Dv]
+
+    def own(t: Optional[Tensor], wanted: bool) -> Optional[Tensor]:
+        return t.contiguous() if wanted and t is not None else None
+
+    if has_z0 and need_z0 and dz0 is None:
+        dz0 = torch.zeros_like(z0)
+    return (own(dq, need_q), own(dk, need_k), own(dv, need_v),
+            None if dS0 is None or not (has_S0 and need_S0) else dS0.to(S0.dtype).contiguous(),
+            None if dz0 is None or not (has_z0 and need_z0) else dz0.to(z0.dtype).contiguous())
 
 
 class _CpuCausalLinearAttention(torch.autograd.Function):
@@ -219,17 +301,7 @@ class _CpuCausalLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
-        B, H, T, M = phi_q.shape
-        Dv = v.shape[-1]
-        vp = _pad_to_vector(v)
-        X = (torch.zeros(B, H, M, vp.shape[-1], dtype=v.dtype) if S0 is None
-             else _pad_to_vector(S0.to(v.dtype)).clone())
-        z = torch.zeros(B, H, M, dtype=v.dtype) if z0 is None else z0.to(v.dtype).clone()
-        den = torch.empty(B, H, T, dtype=v.dtype) if normalize else None
-        ok = torch.empty(B, H, T, dtype=torch.uint8) if normalize else None
-        out = _pass(phi_q, phi_k, vp, X, chunk_size, reverse=False, z=z, den=den, ok=ok, eps=eps)
-        y = out if vp.shape[-1] == Dv else out[..., :Dv].contiguous()
-        S = X if vp.shape[-1] == Dv else X[..., :Dv].contiguous()
+        y, S, z, den, ok = _forward(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
         ctx.config = (normalize, chunk_size, S0 is not None, z0 is not None)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(phi_q, phi_k, v, y, den, ok, S0, z0)
@@ -238,7 +310,34 @@ class _CpuCausalLinearAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_S, g_z):
         grads = _CpuCausalLinearAttentionBackward.apply(g_out, g_S, g_z, *ctx.saved_tensors, ctx.config,
-                                                        tuple(ctx.needs_input_grad[:5]))
+                                                        tuple(ctx.needs_input_grad[:5]), False)
+        return (*grads, None, None, None)
+
+
+class _CpuEluCausalLinearAttention(torch.autograd.Function):
+    """As :class:`_CpuCausalLinearAttention`, with φ = elu+1 applied inside: ``q``, ``k`` are raw.
+
+    Only the features are saved; the chain rule through φ uses ``φ'(x) = min(φ(x), 1)``
+    (``e^x`` for ``x <= 0``, 1 above), one pass in the kernel's library instead of three tensor
+    operations and a saved copy of the raw inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
+        from ..feature_maps import elu_plus_one
+
+        with torch.no_grad():
+            phi_q, phi_k = elu_plus_one(q).contiguous(), elu_plus_one(k).contiguous()
+        y, S, z, den, ok = _forward(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
+        ctx.config = (normalize, chunk_size, S0 is not None, z0 is not None)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(phi_q, phi_k, v, y, den, ok, S0, z0)
+        return y, S, z
+
+    @staticmethod
+    def backward(ctx, g_out, g_S, g_z):
+        grads = _CpuCausalLinearAttentionBackward.apply(g_out, g_S, g_z, *ctx.saved_tensors, ctx.config,
+                                                        tuple(ctx.needs_input_grad[:5]), True)
         return (*grads, None, None, None)
 
 
@@ -246,55 +345,14 @@ class _CpuCausalLinearAttentionBackward(torch.autograd.Function):
     """The three backward passes, as a Function whose own backward refuses second derivatives."""
 
     @staticmethod
-    def forward(ctx, g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, needs):
-        normalize, C, has_S0, has_z0 = config
-        B, H, T, M = phi_q.shape
-        Dv = v.shape[-1]
-        need_q, need_k, need_v, need_S0, need_z0 = needs
-        g = torch.zeros_like(y) if g_out is None else g_out.to(y.dtype).contiguous()
-        g_den = None
-        if normalize:
-            g_den = (g * y).sum(-1).div_(den).neg_().masked_fill_(ok == 0, 0.0)   # (B, H, T)
-            g = g / den.unsqueeze(-1)
-        with_ones = normalize or g_z is not None        # z enters the gradients of φ(k) and z0
-        dq = dk = dv = dS0 = dz0 = None
-        if need_q:
-            a = _augment(g, g_den) if normalize else g                      # (B, H, T, Dv (+1))
-            b = _augment(v, None) if normalize else v.contiguous()
-            X = torch.zeros(B, H, a.shape[-1], M, dtype=v.dtype)
-            if S0 is not None:
-                X[:, :, :Dv] = S0.transpose(-1, -2)
-            if normalize and z0 is not None:
-                X[:, :, Dv] = z0
-            dq = _pass(a, b, _pad_to_vector(phi_k), _pad_to_vector(X), C, reverse=False)[..., :M]
-        if need_k or (has_z0 and need_z0):
-            a = _augment(v, None) if with_ones else v.contiguous()
-            zero = torch.zeros_like(g[..., 0])
-            b = _augment(g, g_den if g_den is not None else zero) if with_ones else g
-            X = torch.zeros(B, H, a.shape[-1], M, dtype=v.dtype)
-            if g_S is not None:
-                X[:, :, :Dv] = g_S.transpose(-1, -2)
-            if g_z is not None:
-                X[:, :, Dv] = g_z
-            Xp = _pad_to_vector(X)
-            dk = _pass(a, b, _pad_to_vector(phi_q), Xp, C, reverse=True)[..., :M]
-            if with_ones:
-                dz0 = Xp[:, :, Dv, :M]
-        if need_v or (has_S0 and need_S0):
-            gp = _pad_to_vector(g)
-            X = (torch.zeros(B, H, M, gp.shape[-1], dtype=v.dtype) if g_S is None
-                 else _pad_to_vector(g_S.to(v.dtype)).clone())
-            dv = _pass(phi_k, phi_q, gp, X, C, reverse=True)[..., :Dv]
-            dS0 = X[..., :Dv]
-
-        def own(t: Optional[Tensor], wanted: bool) -> Optional[Tensor]:
-            return t.contiguous() if wanted and t is not None else None
-
-        if has_z0 and need_z0 and dz0 is None:
-            dz0 = torch.zeros_like(z0)
-        return (own(dq, need_q), own(dk, need_k), own(dv, need_v),
-                None if dS0 is None or not (has_S0 and need_S0) else dS0.to(S0.dtype).contiguous(),
-                None if dz0 is None or not (has_z0 and need_z0) else dz0.to(z0.dtype).contiguous())
+    def forward(ctx, g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, needs, through_elu):
+        dq, dk, dv, dS0, dz0 = _backward(g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, needs)
+        if through_elu:                        # dL/dx = dL/dφ · min(φ, 1), in place
+            lib = _library()
+            for d, phi in ((dq, phi_q), (dk, phi_k)):
+                if d is not None:
+                    getattr(lib, f"linattn_elu_grad_{_DTYPES[d.dtype]}")(d.data_ptr(), phi.data_ptr(), d.numel())
+        return dq, dk, dv, dS0, dz0
 
     @staticmethod
     def backward(ctx, *grads):
@@ -303,7 +361,8 @@ class _CpuCausalLinearAttentionBackward(torch.autograd.Function):
 
 def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor] = None,
                                 z0: Optional[Tensor] = None, *, normalize: bool = True, eps: float = 1e-6,
-                                chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
+                                chunk_size: int = 64, feature_map: Optional[str] = None
+                                ) -> tuple[Tensor, Tensor, Tensor]:
     """Causal linear attention on features with the compiled CPU kernel (forward and backward).
 
     Computes what :func:`linattn.ops.linear.chunkwise_linear_attention` computes, with the same
@@ -313,7 +372,8 @@ def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opt
     Parameters
     ----------
     phi_q, phi_k : Tensor
-        ``(B, H, T, M)`` features, float32 or float64, on the CPU.
+        ``(B, H, T, M)`` features, float32 or float64, on the CPU; with ``feature_map="elu+1"``
+        the raw queries and keys, to which :func:`linattn.elu_plus_one` is applied inside.
     v : Tensor
         ``(B, H, T, Dv)`` values, same dtype.
     S0, z0 : Tensor, optional
@@ -325,6 +385,9 @@ def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opt
         What a zero, negative or non-finite normaliser is replaced by.
     chunk_size : int
         Tokens per block of the two-level sums (``>= 1``).
+    feature_map : None or "elu+1"
+        None: ``phi_q``, ``phi_k`` are features. ``"elu+1"``: apply elu+1 inside, saving only
+        the features for the backward pass (whose chain rule through φ is then one pass).
 
     Returns
     -------
@@ -357,11 +420,14 @@ def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opt
             raise ValueError(f"{name} must have shape {shape_str(shape)}, got {shape_str(x.shape)}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if feature_map not in (None, "elu+1"):
+        raise ValueError(f"feature_map must be None or 'elu+1', got {feature_map!r}")
     if _library() is None:
         raise RuntimeError(f"the linattn CPU kernel is not available: {_state.get('error')}")
+    fn = _CpuCausalLinearAttention if feature_map is None else _CpuEluCausalLinearAttention
     with no_autocast(phi_q.device):
-        return _CpuCausalLinearAttention.apply(phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), S0, z0,
-                                               bool(normalize), float(eps), chunk_size)
+        return fn.apply(phi_q.contiguous(), phi_k.contiguous(), v.contiguous(), S0, z0, bool(normalize), float(eps),
+                        chunk_size)
 
 
 def warn_unavailable_once() -> None:

@@ -88,9 +88,11 @@ inline void tile(const T* __restrict a, const T* __restrict b, const T* __restri
         for (int u = 0; u < NV; ++u) store(X + r * Dc + u * L, S[r][u] + acc[r][u]);
 }
 
-// All tiles of one block of n tokens (Dc is a multiple of the vector length).
+// All tiles of one block of n tokens (Dc is a multiple of the vector length). With ea, eb
+// (one number per token) the state has one more row Xe: out_t += ea_t · (Xe + Σ eb_s c_s).
 template <typename T, bool REV>
-void block(const T* a, const T* b, const T* c, T* out, int64_t n, int64_t Da, int64_t Dc, T* X) {
+void block(const T* a, const T* b, const T* c, T* out, int64_t n, int64_t Da, int64_t Dc, T* X,
+           const T* ea, const T* eb, T* Xe) {
     constexpr int L = Simd<T>::lanes;
     int64_t j0 = 0;
     for (; j0 + NVEC * L <= Dc; j0 += NVEC * L) {
@@ -99,6 +101,8 @@ void block(const T* a, const T* b, const T* c, T* out, int64_t n, int64_t Da, in
             tile<T, ROWS, NVEC, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
         for (; i0 < Da; ++i0)
             tile<T, 1, NVEC, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
+        if (Xe != nullptr)
+            tile<T, 1, NVEC, REV>(ea, eb, c + j0, out + j0, n, 1, Dc, Xe + j0, Da == 0);
     }
     for (; j0 < Dc; j0 += L) {
         int64_t i0 = 0;
@@ -106,6 +110,8 @@ void block(const T* a, const T* b, const T* c, T* out, int64_t n, int64_t Da, in
             tile<T, ROWS, 1, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
         for (; i0 < Da; ++i0)
             tile<T, 1, 1, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
+        if (Xe != nullptr)
+            tile<T, 1, 1, REV>(ea, eb, c + j0, out + j0, n, 1, Dc, Xe + j0, Da == 0);
     }
 }
 
@@ -147,17 +153,19 @@ void normalise_block(const T* a, const T* b, T* out, int64_t n, int64_t Da, int6
 
 template <typename T>
 void head(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t* ok, T eps,
-          int64_t Tn, int64_t Da, int64_t Dc, int64_t C, bool rev) {
+          const T* ea, const T* eb, T* Xe, int64_t Tn, int64_t Da, int64_t Dc, int64_t C, bool rev) {
     const int64_t nblocks = (Tn + C - 1) / C;
     std::vector<T> zacc(z != nullptr ? Da : 0);
     for (int64_t k = 0; k < nblocks; ++k) {
         const int64_t blk = rev ? nblocks - 1 - k : k;
         const int64_t t0 = blk * C;
         const int64_t n = std::min(C, Tn - t0);
+        const T* ea_t = Xe != nullptr ? ea + t0 : nullptr;
+        const T* eb_t = Xe != nullptr ? eb + t0 : nullptr;
         if (rev)
-            block<T, true>(a + t0 * Da, b + t0 * Da, c + t0 * Dc, out + t0 * Dc, n, Da, Dc, X);
+            block<T, true>(a + t0 * Da, b + t0 * Da, c + t0 * Dc, out + t0 * Dc, n, Da, Dc, X, ea_t, eb_t, Xe);
         else
-            block<T, false>(a + t0 * Da, b + t0 * Da, c + t0 * Dc, out + t0 * Dc, n, Da, Dc, X);
+            block<T, false>(a + t0 * Da, b + t0 * Da, c + t0 * Dc, out + t0 * Dc, n, Da, Dc, X, ea_t, eb_t, Xe);
         if (z != nullptr)
             normalise_block<T>(a + t0 * Da, b + t0 * Da, out + t0 * Dc, n, Da, Dc, z + 0, zacc.data(),
                                den != nullptr ? den + t0 : nullptr, ok != nullptr ? ok + t0 : nullptr, eps);
@@ -165,13 +173,16 @@ void head(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_
 }
 
 template <typename T>
-int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t* ok, T eps, int64_t BH,
-        int64_t Tn, int64_t Da, int64_t Dc, int64_t C, int rev, int threads) {
+int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t* ok, T eps, const T* ea,
+        const T* eb, T* Xe, int64_t BH, int64_t Tn, int64_t Da, int64_t Dc, int64_t C, int rev, int threads) {
     if (Dc % Simd<T>::lanes != 0 || C < 1 || Tn < 1) return 1;
+    if (Xe != nullptr && (ea == nullptr || eb == nullptr)) return 2;
     auto work = [&](int64_t h) {
         head<T>(a + h * Tn * Da, b + h * Tn * Da, c + h * Tn * Dc, out + h * Tn * Dc, X + h * Da * Dc,
                 z != nullptr ? z + h * Da : nullptr, den != nullptr ? den + h * Tn : nullptr,
-                ok != nullptr ? ok + h * Tn : nullptr, eps, Tn, Da, Dc, C, rev != 0);
+                ok != nullptr ? ok + h * Tn : nullptr, eps, Xe != nullptr ? ea + h * Tn : nullptr,
+                Xe != nullptr ? eb + h * Tn : nullptr, Xe != nullptr ? Xe + h * Dc : nullptr, Tn, Da, Dc, C,
+                rev != 0);
     };
     const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, BH));
     if (nt == 1) {
@@ -190,17 +201,29 @@ int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t*
 
 extern "C" {
 
-// Returns 0 on success, 1 if Dc is not a multiple of the vector length (the caller pads).
+// Returns 0 on success, 1 if Dc is not a multiple of the vector length (the caller pads), 2 if
+// the extra row Xe comes without its per-token numbers ea, eb.
 int linattn_causal_pass_f32(const float* a, const float* b, const float* c, float* out, float* X, float* z,
-                            float* den, uint8_t* ok, float eps, int64_t BH, int64_t T, int64_t Da, int64_t Dc,
-                            int64_t C, int rev, int threads) {
-    return run<float>(a, b, c, out, X, z, den, ok, eps, BH, T, Da, Dc, C, rev, threads);
+                            float* den, uint8_t* ok, float eps, const float* ea, const float* eb, float* Xe,
+                            int64_t BH, int64_t T, int64_t Da, int64_t Dc, int64_t C, int rev, int threads) {
+    return run<float>(a, b, c, out, X, z, den, ok, eps, ea, eb, Xe, BH, T, Da, Dc, C, rev, threads);
 }
 
 int linattn_causal_pass_f64(const double* a, const double* b, const double* c, double* out, double* X,
-                            double* z, double* den, uint8_t* ok, double eps, int64_t BH, int64_t T, int64_t Da,
-                            int64_t Dc, int64_t C, int rev, int threads) {
-    return run<double>(a, b, c, out, X, z, den, ok, eps, BH, T, Da, Dc, C, rev, threads);
+                            double* z, double* den, uint8_t* ok, double eps, const double* ea, const double* eb,
+                            double* Xe, int64_t BH, int64_t T, int64_t Da, int64_t Dc, int64_t C, int rev,
+                            int threads) {
+    return run<double>(a, b, c, out, X, z, den, ok, eps, ea, eb, Xe, BH, T, Da, Dc, C, rev, threads);
+}
+
+// g *= min(phi, 1): the chain rule through elu(x) + 1 = exp(min(x, 0)) + max(x, 0), whose
+// derivative e^x (x <= 0) or 1 (x > 0) equals min(phi(x), 1).
+void linattn_elu_grad_f32(float* g, const float* phi, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] *= std::min(phi[i], 1.0f);
+}
+
+void linattn_elu_grad_f64(double* g, const double* phi, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] *= std::min(phi[i], 1.0);
 }
 
 int linattn_vector_bytes() { return 64; }
