@@ -139,7 +139,9 @@ def linear_attention(
     - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
     - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.ops.linear`. On CUDA,
       when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
-      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it);
+      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it; for
+      float16/bfloat16 inputs it reads features and values in that dtype, and accumulates,
+      keeps the state and returns in float32);
       ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
       PyTorch path takes over with a ``RuntimeWarning``. On the CPU, ``LINATTN_CPU_KERNEL=1``
       selects the compiled CPU path of :mod:`linattn.kernels.cpu` for float32/float64 (built on
@@ -251,7 +253,7 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
-        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size)
+        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
         # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
         if fused is not None and (compiling() or all_finite(fused[1])):
             out_aug, S = fused
@@ -283,8 +285,9 @@ _FUSED_KERNEL_FAILURE: list[str] = []
 
 
 def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
-    """The Triton kernel runs for CUDA float32 features and power-of-two chunks >= 16, unless
-    the environment sets ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
+    """The Triton kernel runs for CUDA features (float32 here: for half inputs the kernel then reads
+    them rounded back to the input dtype) and power-of-two chunks >= 16, unless the environment sets
+    ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
     if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" or _FUSED_KERNEL_FAILURE:
         return False
     if not phi_q.is_cuda or phi_q.dtype != torch.float32:
@@ -326,14 +329,22 @@ def _cpu_kernel_applies(phi_q: Tensor) -> bool:
 
 
 def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
-                 chunk_size: int) -> Optional[tuple[Tensor, Tensor]]:
-    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU."""
+                 chunk_size: int, input_dtype: torch.dtype = torch.float32) -> Optional[tuple[Tensor, Tensor]]:
+    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU.
+
+    For float16/bfloat16 inputs the kernel reads the features and values in that dtype (half
+    the memory traffic) and accumulates and returns in float32; the state is float32 too.
+    """
     from . import kernels
 
     S0 = None if state0 is None else state0.augmented()
     v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)   # (B, H, T, Dv + 1)
+    half = input_dtype in (torch.float16, torch.bfloat16)
+    if half:
+        phi_q, phi_k, v_aug = (x.to(input_dtype) for x in (phi_q, phi_k, v_aug))
     try:
-        return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size)
+        return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size,
+                                                     out_dtype=torch.float32 if half else None)
     except Exception as err:  # e.g. a compile or launch failure (out of shared memory) on this GPU
         _FUSED_KERNEL_FAILURE.append(repr(err))
         warnings.warn(

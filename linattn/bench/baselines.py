@@ -170,7 +170,11 @@ def _fused_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int,
 
     phi_q, phi_k, v = _features(q, k, v)
     v_aug = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)        # (B, H, T, Dv + 1)
-    out_aug, _ = chunk_linear_attention_triton(phi_q, phi_k, v_aug, None, chunk_size)
+    if q.dtype in (torch.float16, torch.bfloat16):                      # half in, float32 sums out
+        out_aug, _ = chunk_linear_attention_triton(phi_q.to(q.dtype), phi_k.to(q.dtype), v_aug.to(q.dtype), None,
+                                                   chunk_size, out_dtype=torch.float32)
+    else:
+        out_aug, _ = chunk_linear_attention_triton(phi_q, phi_k, v_aug, None, chunk_size)
     return (out_aug[..., :-1] / out_aug[..., -1:].clamp_min(eps)).to(q.dtype)
 
 
