@@ -85,9 +85,12 @@ def set_colab_cell(nb: nbformat.NotebookNode) -> None:
     # The cell matters only on Colab, where the notebook comes straight from the repository;
     # "remove-cell" keeps it off the rendered page (it would sit above the chapter's title).
     cell.metadata["tags"] = [COLAB_TAG, REMOVE_TAG]
-    # Ask Colab for a GPU runtime when the notebook is opened there.
-    nb.metadata.setdefault("accelerator", "GPU")
-    nb.metadata.setdefault("colab", {"provenance": [], "gpuType": "T4"})
+    # Colab's runtime type is the notebook's own choice, kept as it is: a notebook whose code
+    # never touches CUDA (chapters 1-5) carries "colab" metadata without an accelerator, and
+    # Colab opens it on a CPU runtime. A notebook that has no Colab metadata yet asks for a GPU.
+    if "colab" not in nb.metadata:
+        nb.metadata["accelerator"] = "GPU"
+        nb.metadata["colab"] = {"provenance": [], "gpuType": "T4"}
 
 
 def execute(path: pathlib.Path, timeout: int = 900) -> float:

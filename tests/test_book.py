@@ -235,11 +235,31 @@ def _output_texts(cell) -> list[str]:
     return texts
 
 
+def _uses_cuda(nb) -> bool:
+    """Whether any code cell after the Colab install cell mentions CUDA."""
+    return any("cuda" in _source(c).lower() for c in nb["cells"][1:] if c["cell_type"] == "code")
+
+
+# Chapters whose code runs on the CPU only: on Colab they must not take a GPU runtime from the
+# reader's quota for nothing (and on the free tier risk "cannot connect to a GPU backend").
+CPU_ONLY_CHAPTERS = {"01_softmax_attention", "02_kernel_trick", "03_associativity",
+                     "04_causal_recurrence", "05_chunkwise"}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
-def test_notebook_asks_colab_for_a_gpu_runtime(path):
-    meta = _load(path)["metadata"]
-    assert meta.get("accelerator") == "GPU", f"{_rel(path)}: metadata.accelerator is {meta.get('accelerator')!r}"
-    assert meta.get("colab", {}).get("gpuType"), f"{_rel(path)}: metadata.colab.gpuType is not set"
+def test_notebook_asks_colab_for_the_runtime_it_uses(path):
+    nb = _load(path)
+    meta = nb["metadata"]
+    asks_gpu = meta.get("accelerator") == "GPU"
+    assert "colab" in meta, f"{_rel(path)}: no metadata.colab"
+    assert asks_gpu == bool(meta["colab"].get("gpuType")), (
+        f"{_rel(path)}: metadata.accelerator {meta.get('accelerator')!r} and colab.gpuType "
+        f"{meta['colab'].get('gpuType')!r} disagree")
+    if _uses_cuda(nb):
+        assert asks_gpu, f"{_rel(path)}: its code uses CUDA, but it does not ask Colab for a GPU"
+    if path.stem in CPU_ONLY_CHAPTERS:
+        assert not _uses_cuda(nb), f"{_rel(path)}: listed as CPU only, but its code mentions CUDA"
+        assert not asks_gpu, f"{_rel(path)}: runs on the CPU only, but asks Colab for a GPU runtime"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
