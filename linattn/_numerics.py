@@ -62,7 +62,9 @@ def all_finite(*tensors: Tensor) -> bool:
 
     Tensors on the "meta" device hold no values and count as finite.
     """
-    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.device.type != "meta"]
+    # detach(): isfinite is composite (abs, eq), and abs would record its input for a backward
+    # that never comes (a transient copy of the reference autograd counts as saved)
+    flags = [torch.isfinite(t.detach()).all() for t in tensors if t is not None and t.device.type != "meta"]
     return host_all(torch.stack(flags)) if flags else True
 
 
