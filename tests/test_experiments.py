@@ -83,3 +83,12 @@ def test_provenance_is_taken_when_the_cells_start(toy, tmp_path, monkeypatch):
     monkeypatch.setattr(experiments, "_git_commit", lambda: next(commits))
     doc = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
     assert doc["provenance"]["commit"] == "aaa" and doc["provenance"]["commit_at_end"] == "bbb"
+
+
+def test_load_results_names_the_command_only_for_a_registered_study(tmp_path):
+    import pytest
+    from linattn import experiments
+    with pytest.raises(FileNotFoundError, match="run: python -m linattn.experiments positions"):
+        experiments.load_results(tmp_path / "positions.json")
+    with pytest.raises(FileNotFoundError, match="'ft_side_by_side' is not a study"):
+        experiments.load_results(tmp_path / "ft_side_by_side.json")

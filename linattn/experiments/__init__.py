@@ -256,7 +256,11 @@ def load_results(name_or_path) -> dict:
     path = pathlib.Path(name_or_path) if str(name_or_path).endswith(".json") else results_path(name_or_path)
     if not path.is_file():
         name = path.stem
-        raise FileNotFoundError(f"no results file {path}; run: python -m linattn.experiments {name}")
+        if name in STUDIES:
+            raise FileNotFoundError(f"no results file {path}; run: python -m linattn.experiments {name}")
+        raise FileNotFoundError(f"no results file {path}, and {name!r} is not a study of linattn.experiments "
+                                f"(studies: {', '.join(sorted(STUDIES))}); the chapter that reads it says how "
+                                f"it was made")
     return json.loads(path.read_text(encoding="utf-8"))
 
 
