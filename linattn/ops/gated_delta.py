@@ -169,14 +169,15 @@ def _scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
     Returns ``D`` ``(B, H, N, C, C)`` with ``D[t, s] = exp(Σ_{s<r<=t} g_r)`` for ``s <= t`` and 0
     above the diagonal, ``from_start`` and ``to_end`` ``(B, H, N, C, 1)`` (``exp(Σ_{r<=t})`` and
-    ``exp(Σ_{s<r})``) and the chunk's total decay ``(B, H, N, 1)``. The ``C·C`` range sums are
-    one matmul with the 0/1 matrix ``[s < r <= t]`` (Mamba-2's segsum, Dao & Gu, 2024).
+    ``exp(Σ_{s<r})``) and the chunk's total decay ``(B, H, N, 1)``. The range sums are Mamba-2's
+    "segsum" (Dao & Gu, 2024): column ``s`` holds ``g_r`` for ``r > s`` only and is accumulated
+    down the rows, so each ``Σ_{s<r<=t}`` is summed from its own terms (never a difference of two
+    prefix sums), ``C²`` additions per chunk.
     """
     C = g.shape[-2]
     r = torch.arange(C, device=g.device)
-    t, s = r.view(C, 1, 1), r.view(1, C, 1)
-    in_range = ((s < r) & (r <= t)).to(g.dtype).view(C * C, C)          # row (t, s): s < r <= t
-    R = (in_range @ g).view(*g.shape[:-2], C, C)                        # (B, H, N, C, C)
+    later = r.view(C, 1) > r.view(1, C)                                 # [r, s]: r > s
+    R = g.expand(*g.shape[:-1], C).masked_fill(~later, 0.0).cumsum(dim=-2)   # [t, s] = Σ_{s<r<=t} g_r
     D = R.exp().masked_fill(~torch.ones(C, C, dtype=torch.bool, device=g.device).tril(), 0.0)
     ones = torch.ones(C, C, dtype=g.dtype, device=g.device)
     from_start = (ones.tril() @ g).exp()                                # Σ_{r<=t}

@@ -1,0 +1,54 @@
+"""Which positions should a model with linear layers use? Chapter 8's model with each scheme.
+
+Chapter 8's character model (2 layers, d_model 64, 4 heads, tiny Shakespeare, windows of 128,
+batches of 32) with linear (elu+1) or softmax attention, and positions ``"learned"`` (a table of
+128), ``"rope"`` (for linear attention as RoFormer applies it: rotated in the numerator only)
+or ``"none"``. Every configuration at three learning rates and three seeds for chapter 8's
+budget of 400 steps, and, as a check that the ranking holds, five times that budget at one
+learning rate and seed. The result of a cell is the validation loss (overall and per position).
+"""
+from __future__ import annotations
+
+from . import _lm
+
+NAME = "positions"
+DESCRIPTION = "chapter 8's model with learned, RoPE or no positions (linear and softmax attention)"
+
+MODEL = dict(d_model=64, n_layers=2, n_heads=4)
+SCHEMES = ("learned", "rope", "none")
+LRS = (3e-3, 1e-2, 3e-2)
+SEEDS = (0, 1, 2)
+STEPS = 400
+LONG_STEPS = 5 * STEPS
+
+
+def grid() -> list[dict]:
+    cells = [dict(attention=a, positions=p, lr=lr, seed=s, steps=STEPS)
+             for a in ("linear", "softmax") for p in SCHEMES for lr in LRS for s in SEEDS]
+    cells += [dict(attention=a, positions=p, lr=1e-2, seed=0, steps=LONG_STEPS)
+              for a in ("linear", "softmax") for p in SCHEMES]
+    return cells
+
+
+def run_cell(cell: dict) -> dict:
+    kwargs = dict(MODEL, attention=cell["attention"], positions=cell["positions"])
+    if cell["positions"] == "learned":
+        kwargs["max_len"] = 128
+    result = _lm.run(kwargs, steps=cell["steps"], lr=cell["lr"], seed=cell["seed"])
+    del result["train_curve"]
+    return result
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per (attention, positions, steps): the best learning rate by mean loss over seeds, and that mean and spread."""
+    table: dict = {}
+    for row in rows:
+        c = row["cell"]
+        table.setdefault((c["attention"], c["positions"], c["steps"]), {}).setdefault(c["lr"], []).append(
+            row["result"]["val_loss"])
+    out = []
+    for (attention, positions, steps), by_lr in sorted(table.items()):
+        lr, losses = min(by_lr.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+        out.append(dict(attention=attention, positions=positions, steps=steps, best_lr=lr, n_seeds=len(losses),
+                        mean=round(sum(losses) / len(losses), 4), min=min(losses), max=max(losses)))
+    return {"best": out}
