@@ -65,7 +65,7 @@ __all__ = [
     "measure_sequence_parallel",
 ]
 
-STATE_EXCHANGES = ("allgather", "ring")
+STATE_EXCHANGES = ("allgather", "ring", "scan")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -199,6 +199,14 @@ def _send(x: Tensor, peer: int, ranks: _Ranks, op: str) -> None:
     x = x.contiguous()
     dist.send(x, dst=ranks.global_rank(peer), group=ranks.group)
     _record(op, _nbytes(x))
+
+
+def _isend(x: Tensor, peer: int, ranks: _Ranks, op: str):
+    """Start sending ``x`` (keep it unchanged until the returned request has been waited on)."""
+    x = x.contiguous()
+    request = dist.isend(x, dst=ranks.global_rank(peer), group=ranks.group)
+    _record(op, _nbytes(x))
+    return request
 
 
 def _recv(like: Tensor, peer: int, ranks: _Ranks) -> Tensor:
@@ -555,12 +563,14 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
 
 
 def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
-    """``Σ_{s < rank} local_s``: all-gather every state, or receive the running sum from the left."""
+    """``Σ_{s < rank} local_s``: all-gather every state, receive the running sum from the left, or scan."""
     if exchange == "allgather":
         incoming = torch.zeros_like(local)
         for part in _all_gather(local, ranks, op)[: ranks.rank]:
             incoming += part
         return incoming
+    if exchange == "scan":
+        return _exclusive_scan(local, ranks, op, reverse=False)
     incoming = torch.zeros_like(local) if ranks.rank == 0 else _recv(local, ranks.rank - 1, ranks)
     if ranks.rank < ranks.world - 1:
         _send(incoming + local, ranks.rank + 1, ranks, op)
@@ -568,17 +578,51 @@ def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> T
 
 
 def _exclusive_suffix(grad: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
-    """``Σ_{s > rank} grad_s``, added from the last rank down (the same order in both exchanges)."""
+    """``Σ_{s > rank} grad_s``, added from the last rank down (all-gather and chain alike; the scan by its tree)."""
     if exchange == "allgather":
         later = torch.zeros_like(grad)
         for part in reversed(_all_gather(grad, ranks, op)[ranks.rank + 1:]):
             later += part
         return later
+    if exchange == "scan":
+        return _exclusive_scan(grad, ranks, op, reverse=True)
     last = ranks.world - 1
     later = torch.zeros_like(grad) if ranks.rank == last else _recv(grad, ranks.rank + 1, ranks)
     if ranks.rank > 0:
         _send(later + grad, ranks.rank - 1, ranks, op)
     return later
+
+
+def _exclusive_scan(x: Tensor, ranks: _Ranks, op: str, *, reverse: bool) -> Tensor:
+    """The exclusive prefix sum over ranks in ``⌈log2 P⌉`` rounds of one message (MPI_Exscan's result).
+
+    Hillis & Steele's scan (1986): in the round of distance ``d = 1, 2, 4, ...`` the rank at
+    position ``i`` of the scan sends what it holds for ``(i − d, i]`` to position ``i + d`` and
+    receives ``(i − 2d, i − d]`` from position ``i − d``; after the last round position ``i``
+    holds ``Σ_{j < i}``. Each message is one state, each rank sends at most one per round, and
+    the rounds, not ``P − 1`` hops, are the critical path. ``reverse`` scans from the last
+    rank down (the backward pass). The sums are added in the tree's order, so the result
+    equals the all-gather's and the chain's up to rounding, not bit for bit.
+    """
+    P = ranks.world
+    pos = P - 1 - ranks.rank if reverse else ranks.rank                   # position along the scan
+
+    def rank_at(i: int) -> int:
+        return P - 1 - i if reverse else i
+
+    inclusive, exclusive = x.contiguous(), torch.zeros_like(x)           # Σ over (pos − d, pos] and (pos − d, pos)
+    d = 1
+    while d < P:
+        request = _isend(inclusive, rank_at(pos + d), ranks, op) if pos + d < P else None
+        if pos - d >= 0:
+            got = _recv(x, rank_at(pos - d), ranks)                       # Σ over (pos − 2d, pos − d]
+            exclusive, received = got + exclusive, got
+        if request is not None:
+            request.wait()                                                # inclusive may be replaced now
+        if pos - d >= 0:
+            inclusive = received + inclusive
+        d *= 2
+    return exclusive
 
 
 class _PrefixOverRanks(torch.autograd.Function):
@@ -697,9 +741,14 @@ def sequence_parallel_linear_attention(
         its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
         state of ``n`` bytes) or ``"ring"`` (rank ``r`` receives the running sum from
         ``r - 1`` and sends it on: ``n`` bytes per rank, but ``P - 1`` hops one after the
-        other). Case and surrounding spaces are ignored, as for ``method``. Chapter 12
-        measures both. When ``causal=False`` it is not used: it must still be one of the
-        two names, but the ranks need not agree on it.
+        other), or ``"scan"`` (an exclusive scan in ``⌈log2 P⌉`` rounds of one state each,
+        Hillis & Steele's recursive doubling: at most ``⌈log2 P⌉·n`` bytes per rank, and
+        ``⌈log2 P⌉`` message latencies on the critical path instead of the chain's
+        ``P - 1``; its sums are added in another order, so its outputs equal the other
+        two's up to rounding, while the all-gather and the chain agree bit for bit). Case and
+        surrounding spaces are ignored, as for ``method``. Chapter 12 measures all three. When
+        ``causal=False`` it is not used: it must still be one of the names, but the ranks need
+        not agree on it.
     return_state : bool
         Also return a state: causal, the state after this rank's last token (on the last
         rank, the state of the whole sequence); non-causal, the state of the whole sequence.
