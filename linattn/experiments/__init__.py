@@ -244,3 +244,4 @@ def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
 
 # The registered studies (modules of this package).
 register("positions", "positions")
+register("mqar", "mqar")
