@@ -89,3 +89,24 @@ def test_gla_gate_summary_and_mqar_grid():
     assert {c["vocab_size"] for c in cells} == {513} and len(recall_vocab(513)[0]) == 4 * max(mqar.SIZES)
     rows = [dict(cell=c, result=dict(accuracy=[c["lr"]] * 5, state_floats=1)) for c in cells if c["name"] == "softmax"]
     assert mqar.best(rows)["softmax"]["best_lr"] == max(mqar.LRS)
+
+
+def test_reassign_grid_and_one_cell():
+    from linattn.experiments import reassign
+    cells = reassign.grid()
+    assert len(cells) == len(reassign.MODELS) * 3 * 3 and {c["task"] for c in cells} == {"reassign"}
+    c = dict(cells[1], steps=3, checkpoints=[], eval_examples=8, name="softmax + RoPE", mixer="softmax_rope")
+    out = reassign.run_cell(c)
+    assert len(out["accuracy"]) == len(reassign.SIZES) and out["state_floats"] == (2 * 64 + 8) * 32
+
+
+def test_charlm_grid_and_one_short_run():
+    from linattn.experiments import charlm
+    cells = charlm.grid()
+    assert len(cells) == 2 * 3 * 3 * 4 + 2 * 2 * 3
+    out = charlm.run_cell(dict(attention="linear", lr=1e-2, seed=0, steps=2))
+    assert len(out["per_position"]) == 128 and out["parameters"] == 111_936 and not out["diverged"]
+    rows = [dict(cell=dict(attention="linear", lr=lr, seed=s, steps=2), result=dict(val_loss=lr + s))
+            for lr in (1e-2, 3e-3) for s in (0, 1)]
+    (summary,) = charlm.summarise(rows)["best"]
+    assert summary["best_lr"] == 3e-3 and summary["n_seeds"] == 2 and summary["min"] == 3e-3

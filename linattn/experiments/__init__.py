@@ -245,3 +245,5 @@ def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
 # The registered studies (modules of this package).
 register("positions", "positions")
 register("mqar", "mqar")
+register("reassign", "reassign")
+register("charlm", "charlm")
