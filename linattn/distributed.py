@@ -1250,7 +1250,7 @@ def _collect(procs: list, result_dir: str, results: dict, deadline: float, grace
 # ---------------------------------------------------------------------------------------
 
 _CASE_DEFAULTS = dict(batch=1, heads=2, head_dim=16, causal=True, state_exchange="allgather",
-                      dtype="float32", backward=False, communication_only=False, repeats=None)
+                      dtype="float32", backward=False, communication_only=False, repeats=None, block=None)
 
 
 def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: int = 3,
@@ -1264,9 +1264,10 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
     (True), ``state_exchange`` ("allgather"), ``dtype`` ("float32"), ``backward`` (False;
     linear only: time forward + backward of ``out.sum()``) and ``communication_only``
     (False: time only the exchange, the state's for linear or the ring pass of the K, V
-    blocks for softmax, with no attention arithmetic) and ``repeats`` (this case's number of
-    timed calls; default the ``repeats`` argument). All cases run in one process group,
-    so the start-up (several seconds) is paid once.
+    blocks for softmax, with no attention arithmetic), ``repeats`` (this case's number of
+    timed calls; default the ``repeats`` argument) and ``block`` (None; a label copied into
+    the record and not used otherwise, to tell apart repeated, interleaved copies of a
+    case). All cases run in one process group, so the start-up (several seconds) is paid once.
 
     Parameters
     ----------

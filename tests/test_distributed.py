@@ -844,6 +844,7 @@ def test_measure_sequence_parallel_counts_bytes_and_times():
         dict(kind="linear", T=T, causal=True, communication_only=True),
         dict(kind="softmax", T=T, causal=True),
         dict(kind="softmax", T=T + 1, causal=True, communication_only=True),
+        dict(kind="linear", T=T, causal=True, communication_only=True, state_exchange="scan", block=3),
     ], repeats=1, timeout=60.0)
     s = 1 * 2 * 16 * 17 * 4                     # float32 state of B=1, H=2, M=16, Dv+1=17
     hs = 15 * 8                                 # the other rank's row of 15 int64
@@ -852,4 +853,5 @@ def test_measure_sequence_parallel_counts_bytes_and_times():
     kv = 1 * 2 * (16 + 16) * 4                  # bytes of one token's key and value
     assert records[2]["bytes_sent"] == [hs + 32 * kv, hs + 32 * kv]
     assert records[3]["bytes_sent"] == [33 * kv, 32 * kv]   # slices of 33 and 32 tokens
+    assert records[4]["bytes_sent"] == [s, 0] and records[4]["block"] == 3 and records[0]["block"] is None
     assert all(r["seconds"] > 0 and r["world_size"] == P for r in records)
