@@ -55,6 +55,7 @@ from .recurrent import LinearAttentionState
 
 __all__ = [
     "STATE_EXCHANGES",
+    "AUTO_STATE_EXCHANGE",
     "sequence_parallel_linear_attention",
     "local_state",
     "ring_softmax_attention",
@@ -66,6 +67,11 @@ __all__ = [
 ]
 
 STATE_EXCHANGES = ("allgather", "ring", "scan")
+#: What ``state_exchange="auto"`` (the default) becomes, by backend: NCCL's one all-gather per pass
+#: (LASP-2, Sun et al., 2025, measured on GPUs); elsewhere (gloo) the chain, which chapter 12's
+#: sp_exchange study measured faster than gloo's all-gather for the exchange at P = 2 and 4.
+AUTO_STATE_EXCHANGE = {"nccl": "allgather"}
+AUTO_STATE_EXCHANGE_DEFAULT = "ring"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -424,14 +430,21 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype)
 
 
-def _check_state_exchange(state_exchange) -> str:
-    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored)."""
+def _check_state_exchange(state_exchange, ranks: Optional[_Ranks] = None) -> str:
+    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored).
+
+    ``"auto"`` is resolved by the backend of ``ranks``' group (:data:`AUTO_STATE_EXCHANGE`); without
+    ``ranks`` it is returned as ``"auto"``.
+    """
+    choices = ("auto",) + STATE_EXCHANGES
     if not isinstance(state_exchange, str):
-        raise TypeError(f"state_exchange must be a str, one of {STATE_EXCHANGES}, "
+        raise TypeError(f"state_exchange must be a str, one of {choices}, "
                         f"got {type(state_exchange).__name__}")
     key = state_exchange.strip().lower()
-    if key not in STATE_EXCHANGES:
-        raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES} (any case), got {state_exchange!r}")
+    if key not in choices:
+        raise ValueError(f"state_exchange must be one of {choices} (any case), got {state_exchange!r}")
+    if key == "auto" and ranks is not None:
+        key = AUTO_STATE_EXCHANGE.get(dist.get_backend(ranks.group), AUTO_STATE_EXCHANGE_DEFAULT)
     return key
 
 
@@ -669,7 +682,7 @@ def sequence_parallel_linear_attention(
     method: str = "auto",
     chunk_size: int = 64,
     attention_mask: Optional[Tensor] = None,
-    state_exchange: str = "allgather",
+    state_exchange: str = "auto",
     return_state: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Linear attention over a sequence split across the ranks of a process group.
@@ -737,18 +750,24 @@ def sequence_parallel_linear_attention(
         ``max_len`` = the whole length gives exactly the numbers of ``max_len=None`` in one
         process, so that is what to pass.)
     state_exchange : str
-        Causal only: ``"allgather"`` (each rank gathers every rank's state and sums those to
-        its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
-        state of ``n`` bytes) or ``"ring"`` (rank ``r`` receives the running sum from
-        ``r - 1`` and sends it on: ``n`` bytes per rank, but ``P - 1`` hops one after the
-        other), or ``"scan"`` (an exclusive scan in ``⌈log2 P⌉`` rounds of one state each,
-        Hillis & Steele's recursive doubling: at most ``⌈log2 P⌉·n`` bytes per rank, and
-        ``⌈log2 P⌉`` message latencies on the critical path instead of the chain's
-        ``P - 1``; its sums are added in another order, so its outputs equal the other
-        two's up to rounding, while the all-gather and the chain agree bit for bit). Case and
-        surrounding spaces are ignored, as for ``method``. Chapter 12 measures all three. When
-        ``causal=False`` it is not used: it must still be one of the names, but the ranks need
-        not agree on it.
+        Causal only: how rank ``r`` obtains ``Σ_{s<r} L_s`` (a state of ``n`` bytes):
+
+        - ``"allgather"``: each rank gathers every rank's state and sums those to its left;
+          one collective call, ``(P-1)·n`` bytes sent per rank in a ring all-gather;
+        - ``"ring"``: a chain, rank ``r`` receives the running sum from ``r - 1`` and sends it on:
+          ``n`` bytes per rank, but ``P - 1`` messages one after the other;
+        - ``"scan"``: an exclusive scan in ``⌈log2 P⌉`` rounds of one state each (Hillis &
+          Steele's recursive doubling): at most ``⌈log2 P⌉·n`` bytes per rank and ``⌈log2 P⌉``
+          messages on the critical path; its sums are added in another order, so its outputs
+          equal the other two's up to rounding (the all-gather and the chain agree bit for bit);
+        - ``"auto"`` (default): ``"allgather"`` with NCCL (one collective per pass, as LASP-2,
+          Sun et al., 2025, chose and measured on GPUs), ``"ring"`` with any other backend
+          (chapter 12's ``sp_exchange`` study: with gloo on CPU the chain and the scan passed
+          the state faster than the all-gather in every block at ``P = 2`` and ``4``, the chain
+          most often). See :data:`AUTO_STATE_EXCHANGE`.
+
+        Case and surrounding spaces are ignored, as for ``method``. When ``causal=False`` it is
+        not used: it must still be one of the names, but the ranks need not agree on it.
     return_state : bool
         Also return a state: causal, the state after this rank's last token (on the last
         rank, the state of the whole sequence); non-causal, the state of the whole sequence.
@@ -804,7 +823,7 @@ def sequence_parallel_linear_attention(
             _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
             _checks.check_chunk_size(chunk_size)
             _resolve_method(method, causal)
-            state_exchange = _check_state_exchange(state_exchange)
+            state_exchange = _check_state_exchange(state_exchange, ranks)
             attention_mask = _checks.check_attention_mask(attention_mask, k)
             phi = resolve_feature_map(feature_map)
             feature_map_name = _feature_map_name(phi)
@@ -1355,8 +1374,9 @@ def _measured_call(case: dict, rank: int, world: int, ranks: _Ranks, seed: int) 
     q, k, v = (torch.randn(B, H, T_local, D, generator=g).to(dtype) for _ in range(3))
     if case["kind"] == "linear" and case["communication_only"]:
         state = local_state(k, v).augmented()                          # (B, H, M, Dv + 1)
+        exchange = _check_state_exchange(case["state_exchange"], ranks)   # "auto" by this group's backend
         if case["causal"]:
-            return lambda: _exclusive_prefix(state, ranks, case["state_exchange"], "state")
+            return lambda: _exclusive_prefix(state, ranks, exchange, "state")
         return lambda: _all_reduce_sum(state, ranks, "state")
     if case["kind"] == "linear":
         def linear():

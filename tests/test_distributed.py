@@ -68,6 +68,7 @@ _LINEAR = {
     "causal-unnorm-allgather": dict(lengths=None, causal=True, normalize=False, exchange="allgather"),
     "causal-unnorm-ring": dict(lengths=None, causal=True, normalize=False, exchange="ring"),
     "causal-norm-scan": dict(lengths=None, causal=True, normalize=True, exchange="scan"),
+    "causal-norm-auto": dict(lengths=None, causal=True, normalize=True, exchange="auto"),
     "causal-unnorm-scan": dict(lengths=None, causal=True, normalize=False, exchange="scan"),
     "noncausal-norm": dict(lengths=None, causal=False, normalize=True, exchange="allgather"),
     "noncausal-unnorm": dict(lengths=None, causal=False, normalize=False, exchange="ring"),
@@ -202,10 +203,10 @@ CASES = {
                for softmax in (False, True)},
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
-                expect=("TypeError", ["state_exchange must be a str, one of ('allgather', 'ring', 'scan'), got int"])),
+                expect=("TypeError", ["state_exchange must be a str, one of ('auto', 'allgather', 'ring', 'scan'), got int"])),
             "exchange-unknown-even-when-unused": dict(
                 per_rank=[dict(causal=False, state_exchange="tree")] * 2,
-                expect=("ValueError", ["state_exchange must be one of ('allgather', 'ring', 'scan') (any case), "
+                expect=("ValueError", ["state_exchange must be one of ('auto', 'allgather', 'ring', 'scan') (any case), "
                                        "got 'tree'"])),
         }.items()},
     },
@@ -232,7 +233,7 @@ CASES = {
 def _inputs(name: str, case: dict):
     """The whole sequence in float64, the same in every process (seeded by the case name, so that
     the two exchanges of one configuration see the same numbers)."""
-    key = name.removesuffix("-ring").removesuffix("-allgather").removesuffix("-scan")
+    key = name.removesuffix("-ring").removesuffix("-allgather").removesuffix("-scan").removesuffix("-auto")
     g = torch.Generator().manual_seed(sum(map(ord, key)))
     Tk = sum(case["lengths"])
     Tq = sum(case.get("q_lengths") or case["lengths"])
@@ -459,6 +460,15 @@ def test_scan_agrees_with_allgather_to_rounding(ranks, world_size):
                 _close(y, x, f"rank {rank} gradient")
             if world_size == 2:
                 assert torch.equal(a["out"], b["out"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_auto_exchange_is_the_chain_on_gloo(ranks, world_size):
+    assert linattn.distributed.AUTO_STATE_EXCHANGE == {"nccl": "allgather"}
+    for rank, res in enumerate(ranks(world_size)):
+        a, b = res["causal-norm-auto"], res["causal-norm-ring"]
+        assert torch.equal(a["out"], b["out"]) and a["bytes"] == b["bytes"], f"rank {rank}"
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
 
 
 def _scan_sends(P: int, position: int) -> int:
