@@ -241,9 +241,11 @@ def check_position_dependent(phi, *, causal: bool, resumed: bool, same_length: b
 
     - ``resumed`` (an initial state): the state does not record how many tokens it has seen,
       so the new tokens would get the features of positions 0, 1, ... again;
-    - no fixed ``max_len`` (``phi.max_len is None``): the features then depend on the length
-      of the input, so in a causal call an earlier output would depend on how many tokens
-      follow it, and queries and keys of different lengths would get different scales.
+    - no fixed ``max_len`` (a map with a ``max_len`` attribute that is None, as cosFormer's
+      default): the features then depend on the length of the input, so in a causal call an
+      earlier output would depend on how many tokens follow it, and queries and keys of
+      different lengths would get different scales. (A map without a ``max_len`` attribute is
+      taken to depend on the absolute position only.)
     """
     if not position_dependent(phi):
         return
@@ -254,7 +256,7 @@ def check_position_dependent(phi, *, causal: bool, resumed: bool, same_length: b
             "state does not record how many tokens it has seen, so the new tokens would get the features of "
             "positions 0, 1, ...; compute the features yourself with phi(x, offset=<tokens seen>) and pass "
             "feature_map=None")
-    if getattr(phi, "max_len", None) is None and (causal or not same_length):
+    if hasattr(phi, "max_len") and phi.max_len is None and (causal or not same_length):
         why = ("in causal attention an earlier output would change with the number of tokens after it"
                if causal else "queries and keys of different lengths would get different position scales")
         raise ValueError(

@@ -8,6 +8,9 @@
   plain matmul forms ``0 · NaN = NaN`` in every row).
 - :func:`guarded_normaliser`: the normaliser of linear attention, replaced by ``eps`` only
   where it is zero, negative or not finite (never clamped from below).
+- :class:`CausalPoison`: the chunk forms' way of keeping non-finite inputs causal: compute on
+  inputs whose non-finite entries are replaced by 0, then set to NaN exactly the outputs (and
+  state entries) that depend on a non-finite input.
 - :func:`compiling`: whether ``torch.compile`` is tracing the caller.
 """
 from __future__ import annotations
@@ -17,7 +20,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-__all__ = ["no_autocast", "masked_matmul", "compiling", "all_finite", "host_all", "unwrap", "guarded_normaliser"]
+__all__ = ["no_autocast", "masked_matmul", "compiling", "all_finite", "host_all", "unwrap", "guarded_normaliser",
+           "CausalPoison"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
@@ -54,8 +58,11 @@ def host_all(t: Tensor) -> bool:
 
 
 def all_finite(*tensors: Tensor) -> bool:
-    """Whether every entry of every tensor is finite (one host synchronisation for all of them)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    """Whether every entry of every tensor is finite (one host synchronisation for all of them).
+
+    Tensors on the "meta" device hold no values and count as finite.
+    """
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.device.type != "meta"]
     return host_all(torch.stack(flags)) if flags else True
 
 
@@ -91,3 +98,49 @@ def guarded_normaliser(den: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """
     ok = (den > 0) & (den < float("inf"))
     return torch.where(ok, den, eps), ok
+
+
+class CausalPoison:
+    """Non-finite inputs of a causal computation, made harmless for the positions before them.
+
+    A chunked causal computation multiplies the zeros of its causal masks with later tokens'
+    keys and values: a NaN or infinity there (``0 · NaN = NaN``) would reach earlier positions.
+    So the computation runs on inputs whose non-finite entries are replaced by 0 (the sanitised
+    ``q``, ``k``, ``v`` below), which are then exactly the inputs of the positions before the
+    first bad one: those positions get bit for bit the outputs they would get if the later
+    positions held finite values. Afterwards every output that depends on a non-finite input is
+    set to NaN (:meth:`outputs`), and so is every state entry (:meth:`state`).
+
+    Dependence, for every update of this package (each value column of the state evolves on its
+    own, keys act on all columns): output ``(t, d)`` depends on ``q_t``, on every ``k_s`` and on
+    ``v_s[d]`` for ``s <= t``; state column ``d`` on every ``k_s`` and ``v_s[d]``; the normaliser
+    ``z`` of linear attention on every ``k_s``.
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, T, Dk)`` features of queries and keys.
+    v : Tensor
+        ``(B, H, T, Dv)`` values.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        bad_q, bad_k, bad_v = ~torch.isfinite(q), ~torch.isfinite(k), ~torch.isfinite(v)
+        self.q, self.k, self.v = q.masked_fill(bad_q, 0.0), k.masked_fill(bad_k, 0.0), v.masked_fill(bad_v, 0.0)
+        bad_key = bad_k.any(-1, keepdim=True)                                    # (B, H, T, 1)
+        seen = (bad_key | bad_v).to(torch.int32).cumsum(dim=2) > 0               # (B, H, T, Dv): some s <= t
+        self._out = seen | bad_q.any(-1, keepdim=True)                           # (B, H, T, Dv)
+        self._state = seen[:, :, -1:]                                            # (B, H, 1, Dv): columns of S
+        self._z = bad_key.any(dim=2)                                             # (B, H, 1): all of z
+
+    def outputs(self, out: Tensor) -> Tensor:
+        """``(B, H, T, Dv)`` outputs with NaN where they depend on a non-finite input."""
+        return out.masked_fill(self._out, float("nan"))
+
+    def state(self, S: Tensor) -> Tensor:
+        """``(B, H, Dk, Dv)`` state with NaN in the columns that saw a non-finite value or key."""
+        return S.masked_fill(self._state, float("nan"))
+
+    def normaliser(self, z: Tensor) -> Tensor:
+        """``(B, H, Dk)`` normaliser state, all NaN if any key was non-finite."""
+        return z.masked_fill(self._z, float("nan"))

@@ -189,8 +189,10 @@ def linear_attention(
         the computation keeps these dtypes (autocast is switched off inside). With ``normalize=False``
         the numerator grows with the number of keys and can exceed float16's range (65504)
         when rounded back: prefer ``normalize=True`` or float32/bfloat16 inputs there.
-        The output of ``method="chunk"`` is saved for its backward pass: modifying it in
-        place before calling backward raises autograd's usual in-place error.
+        The output of ``method="chunk"`` may be the very tensor its backward pass uses (float32
+        or float64 inputs and ``T`` a multiple of the chunk length): modifying it in place
+        before calling backward then raises autograd's usual in-place error; otherwise it is a
+        copy. Either way the gradients are never wrong.
     state : LinearAttentionState
         Only if ``return_state``: float32 (float64 for float64 inputs), contiguous tensors
         that share no memory with the inputs.

@@ -176,7 +176,8 @@ def _ranks(group, caller: str) -> _Ranks:
         raise RuntimeError(
             f"{caller} needs an initialised torch.distributed process group; call "
             "torch.distributed.init_process_group(...) first (torchrun sets it up), or use "
-            "linattn.linear_attention in a single process"
+            + ("linattn.softmax_attention" if "softmax" in caller else "linattn.linear_attention")
+            + " in a single process"
         )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")

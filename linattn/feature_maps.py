@@ -21,6 +21,7 @@ another's output and, in causal attention, a later key cannot change an earlier 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Optional, Union
 
 import torch
@@ -198,20 +199,23 @@ class DPFPFeatures(nn.Module):
     TypeError
         If ``nu`` is not an int (at construction) or ``x`` is not floating (at call).
     ValueError
-        If ``nu < 1``, or (at call) ``nu >= 2·D``, where products would repeat.
+        If ``nu < 1``, or (at call) ``nu >= D``: the products at distance ``D`` pair
+        ``relu(x_i)`` with ``relu(-x_i)`` and are always zero.
     """
 
     def __init__(self, nu: int = 1) -> None:
         super().__init__()
-        _check_int(nu, "nu", minimum=1)
+        nu = _check_int(nu, "nu", minimum=1)
         self.nu = nu
 
     def forward(self, x: Tensor) -> Tensor:
         """``(..., D) -> (..., 2·D·ν)``, same dtype as ``x``."""
         _check_floating(x, "x")
         D = x.shape[-1]
-        if self.nu >= 2 * D:
-            raise ValueError(f"DPFP needs nu < 2·D = {2 * D} for inputs with D = {D}, got nu = {self.nu}")
+        if self.nu >= D:
+            raise ValueError(
+                f"DPFP needs nu < D for inputs with D = {D}, got nu = {self.nu}: the products at distance D are "
+                "relu(x_i)·relu(-x_i) = 0 for every input, features that are always zero")
         r = F.relu(torch.cat([x, -x], dim=-1))                                    # (..., 2D)
         return torch.cat([r * r.roll(n, dims=-1) for n in range(1, self.nu + 1)], dim=-1)
 
@@ -296,13 +300,13 @@ class PerformerFeatures(nn.Module):
                  orthogonal: bool = True, seed: int = 0, scale: Optional[float] = None) -> None:
         super().__init__()
         if head_dim is not None:
-            _check_int(head_dim, "head_dim", minimum=1)
+            head_dim = _check_int(head_dim, "head_dim", minimum=1)
         if num_features is not None:
-            _check_int(num_features, "num_features", minimum=1)
+            num_features = _check_int(num_features, "num_features", minimum=1)
         _check_bool(orthogonal, "orthogonal")
-        _check_int(seed, "seed", minimum=0)
+        seed = _check_int(seed, "seed", minimum=0)
         if scale is not None:
-            _check_positive(scale, "scale")
+            scale = _check_positive(scale, "scale")
         self.head_dim = head_dim
         self.num_features = num_features
         self.orthogonal = orthogonal
@@ -356,7 +360,7 @@ class PerformerFeatures(nn.Module):
             If ``seed`` is not a non-negative int.
         """
         if seed is not None:
-            _check_int(seed, "seed", minimum=0)
+            seed = _check_int(seed, "seed", minimum=0)
         self.seed = self.seed + 1 if seed is None else seed
         if self.projection is not None:
             self._draw(self.projection.shape[1])
@@ -453,8 +457,8 @@ def seeded_normal(shape: tuple[int, ...], seed: int, stream: int = 0) -> Tensor:
     TypeError, ValueError
         A seed or stream that is not a non-negative int, a stream of ``2^32`` or more.
     """
-    _check_int(seed, "seed", minimum=0)
-    _check_int(stream, "stream", minimum=0)
+    seed = _check_int(seed, "seed", minimum=0)
+    stream = _check_int(stream, "stream", minimum=0)
     if stream > _M32:
         raise ValueError(f"stream must be < 2**32, got {stream}")
     n = math.prod(shape)
@@ -496,7 +500,7 @@ class TaylorFeatures(nn.Module):
     def __init__(self, scale: Optional[float] = None) -> None:
         super().__init__()
         if scale is not None:
-            _check_positive(scale, "scale")
+            scale = _check_positive(scale, "scale")
         self.scale = scale
 
     def forward(self, x: Tensor) -> Tensor:
@@ -568,9 +572,9 @@ class HedgehogFeatures(nn.Module):
     def __init__(self, head_dim: int, num_features: Optional[int] = None, *, bias: bool = True,
                  init: str = "identity", seed: int = 0) -> None:
         super().__init__()
-        _check_int(head_dim, "head_dim", minimum=1)
+        head_dim = _check_int(head_dim, "head_dim", minimum=1)
         if num_features is not None:
-            _check_int(num_features, "num_features", minimum=1)
+            num_features = _check_int(num_features, "num_features", minimum=1)
         _check_bool(bias, "bias")
         if not isinstance(init, str):
             raise TypeError(f"init must be a str, one of {self.INITS}, got {type(init).__name__}")
@@ -649,13 +653,13 @@ class CosFormerFeatures(nn.Module):
     def __init__(self, max_len: Optional[int] = None) -> None:
         super().__init__()
         if max_len is not None:
-            _check_int(max_len, "max_len", minimum=1)
+            max_len = _check_int(max_len, "max_len", minimum=1)
         self.max_len = max_len
 
     def forward(self, x: Tensor, *, offset: int = 0) -> Tensor:
         """``(B, H, T, D) -> (B, H, T, 2D)``, same dtype as ``x`` (angles in float32 or float64)."""
         _check_floating(x, "x")
-        _check_int(offset, "offset", minimum=0)
+        offset = _check_int(offset, "offset", minimum=0)
         if x.dim() != 4:
             raise ValueError(
                 "CosFormerFeatures needs x of shape (batch, heads, seq, dim): its features depend on "
@@ -730,21 +734,27 @@ def distill_feature_map(feature_map: nn.Module, q: Tensor, k: Tensor, *, steps: 
             raise ValueError(f"{name} must be 4-D (batch, heads, seq, dim), got {_shape(x.shape)}")
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape, got q {_shape(q.shape)} and k {_shape(k.shape)}")
-    _check_int(steps, "steps", minimum=1)
-    _check_positive(lr, "lr")
+    if q.dtype != k.dtype:
+        raise TypeError(f"q and k must have one dtype, got q {q.dtype} and k {k.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got q on {q.device} and k on {k.device}")
+    steps = _check_int(steps, "steps", minimum=1)
+    lr = _check_positive(lr, "lr")
     if scale is not None:
-        _check_positive(scale, "scale")
+        scale = _check_positive(scale, "scale")
     _check_bool(causal, "causal")
     # Under torch.inference_mode() inputs are inference tensors and autograd is off: train on
     # ordinary copies made outside inference mode.
+    # Half inputs are fitted in float32: in float16 the 1e-30 floor of the logarithms rounds to 0.
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.inference_mode(False), torch.enable_grad():
-        q, k = q.detach().clone(), k.detach().clone()
+        q, k = q.detach().to(acc, copy=True), k.detach().to(acc, copy=True)
         target = _softmax_weights(q, k, scale, causal)                              # (B, H, T, T)
         entropy = -(target * target.clamp_min(1e-30).log()).sum(-1).mean()
         opt = torch.optim.Adam(params, lr=lr)
         history = []
         for _ in range(steps):
-            weights = _kernel_weights(feature_map(q), feature_map(k), causal)     # (B, H, T, T)
+            weights = _kernel_weights(feature_map(q).to(acc), feature_map(k).to(acc), causal)  # (B, H, T, T)
             cross_entropy = -(target * weights.clamp_min(1e-30).log()).sum(-1).mean()
             history.append(float(cross_entropy.detach() - entropy))
             opt.zero_grad()
@@ -874,11 +884,13 @@ def _check_floating(x: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
-def _check_int(value, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(value, name: str, minimum: int) -> int:
+    """A Python or NumPy integer >= ``minimum``, returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def _check_bool(value, name: str) -> None:
@@ -886,8 +898,10 @@ def _check_bool(value, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_positive(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _check_positive(value, name: str) -> float:
+    """A positive finite Python or NumPy real number, returned as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return float(value)

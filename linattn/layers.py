@@ -366,7 +366,8 @@ class LinearAttention(_MultiHeadProjections):
     normalize : bool
         Divide by the normaliser ``φ(q_i)ᵀz_i`` (True) or not.
     eps : float
-        Lower bound on the normaliser. It must be a normal float32 number
+        Replaces the normaliser where it is zero, negative or not finite (a positive one is used as
+        it is, see :func:`linattn.linear_attention`). It must be a normal float32 number
         (``1.18e-38 <= eps <= 3.4e38``): the layer computes in float32 for every dtype but
         float64 (as :func:`linattn.linear_attention` does), and checks it once, here.
     chunk_size : int
@@ -460,8 +461,11 @@ class LinearAttention(_MultiHeadProjections):
                 f"state cannot be continued with the position-dependent feature_map {type(phi).__name__}: "
                 "a LinearAttentionState does not record how many tokens it has seen, so the new tokens "
                 "would get the features of positions 0, 1, ...; use a position-independent map to decode")
+        _checks.check_position_dependent(phi, causal=self.causal, resumed=False, same_length=True,
+                                         caller=type(self).__name__)
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
-        phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))        # (B, H, T, M), (B, H_kv, T, M)
+        phi_q, phi_k = _features(phi, q, k)                               # (B, H, T, M), (B, H_kv, T, M)
+        v = v.to(phi_k.dtype)                                             # float32 with the features of half x
         self._check_state(state, x, phi_k.shape[-1])
         positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
         state = self._expand_state(state)                                 # per query head: (B, H, M, D)
@@ -480,7 +484,7 @@ class LinearAttention(_MultiHeadProjections):
                 initial_state=state, return_state=return_state)           # (B, H, T, D)
             if return_state:
                 y, state = y
-        y = self._merge(y)                                                # (B, T, d_model)
+        y = self._merge(y.to(x.dtype))                                    # (B, T, d_model)
         return (y, self._shrink_state(state)) if return_state else y
 
     def _rotary(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, attention_mask: Optional[Tensor],
@@ -657,6 +661,7 @@ class SoftmaxAttention(_MultiHeadProjections):
         positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
+        self._check_state(state, x, k.dtype)
         if self.rope:                                                     # the cache keeps rotated keys
             q, k = apply_rope(q, positions, base=self.rope_base), apply_rope(k, positions, base=self.rope_base)
         # the returned cache owns its memory: never the caller's mask itself
@@ -700,8 +705,12 @@ class SoftmaxAttention(_MultiHeadProjections):
         element = self.q_proj.weight.element_size()
         return batch * seq_len * (2 * self.n_kv_heads * self.head_dim * element + 1)
 
-    def _check_state(self, state, x: Tensor) -> None:
-        """Checked at every use (not only when the cache was built: its attributes may have been replaced)."""
+    def _check_state(self, state, x: Tensor, key_dtype: Optional[torch.dtype] = None) -> None:
+        """Checked at every use (not only when the cache was built: its attributes may have been replaced).
+
+        ``key_dtype`` is the dtype of this call's keys (the parameters' dtype, or autocast's): the
+        cache must hold keys of that dtype; None skips that check.
+        """
         if state is None:
             return
         if not isinstance(state, KVCache):
@@ -712,8 +721,10 @@ class SoftmaxAttention(_MultiHeadProjections):
             raise ValueError(
                 f"state.k and state.v must have shape (batch={x.shape[0]}, n_kv_heads={self.n_kv_heads}, seq, "
                 f"head_dim={self.head_dim}), got {shape_str(state.k.shape)}")
-        if state.k.dtype != x.dtype:
-            raise TypeError(f"state holds {state.k.dtype} keys but x is {x.dtype}")
+        if key_dtype is not None and state.k.dtype != key_dtype:
+            raise TypeError(f"state holds {state.k.dtype} keys but this call's keys are {key_dtype} (x is {x.dtype}; "
+                            "under torch.autocast the keys have autocast's dtype): decode with the dtype and "
+                            "autocast setting the cache was built with")
         for name, t in (("state.k", state.k), ("state.v", state.v), ("state.attention_mask", state.attention_mask)):
             if t.device != x.device:
                 raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
@@ -857,10 +868,13 @@ class LinearMultiheadAttention(_MultiHeadProjections):
                                                              name="key_padding_mask")  # True = real token
         q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
         phi = self.feature_map
-        phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))         # (B, H, Tq, M), (B, H, Tk, M)
-        y = linear_attention(phi_q, phi_k, v, feature_map=None, causal=causal, normalize=self.normalize,
-                             eps=self.eps, chunk_size=self.chunk_size, attention_mask=attention_mask)  # (B, H, Tq, D)
-        return self._merge(y), None                                        # (B, Tq, embed_dim)
+        _checks.check_position_dependent(phi, causal=causal, resumed=False, same_length=Tq == Tk,
+                                         caller="LinearMultiheadAttention")
+        phi_q, phi_k = _features(phi, q, k)                                # (B, H, Tq, M), (B, H, Tk, M)
+        y = linear_attention(phi_q, phi_k, v.to(phi_k.dtype), feature_map=None, causal=causal,
+                             normalize=self.normalize, eps=self.eps, chunk_size=self.chunk_size,
+                             attention_mask=attention_mask)                # (B, H, Tq, D)
+        return self._merge(y.to(query.dtype)), None                        # (B, Tq, embed_dim)
 
     def _check_sequence(self, t, name: str) -> None:
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -1310,14 +1324,25 @@ class TransformerLM(nn.Module):
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.
 
+        ``targets`` holds token ids in ``[0, vocab_size)``, or ``-100`` for positions that are not
+        scored (``F.cross_entropy``'s ``ignore_index``).
+
         Raises
         ------
+        TypeError
+            ``targets`` not an int64 tensor (and as :meth:`forward`, which checks ``idx`` first).
         ValueError
-            If ``targets`` does not have the shape of ``idx`` (and as :meth:`forward`).
+            ``targets`` not of the shape of ``idx``, or with values outside ``[0, vocab_size)``
+            other than ``-100``.
         """
-        if not isinstance(targets, Tensor) or targets.shape != getattr(idx, "shape", None):
-            raise ValueError(f"targets must be a tensor shaped like idx {shape_str(idx.shape)}, got {_describe(targets)}")
-        logits = self(idx)                                                # (B, T, V)
+        logits = self(idx)                                                # (B, T, V); checks idx
+        if not isinstance(targets, Tensor) or targets.dtype != torch.long:
+            raise TypeError(f"targets must be an int64 (torch.long) tensor of token ids, got {_describe(targets)}")
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have the shape of idx {shape_str(idx.shape)}, got {shape_str(targets.shape)}")
+        V = self.config.vocab_size
+        _checks.check_values(((targets >= 0) & (targets < V)) | (targets == -100), "targets",
+                             f"token ids in [0, {V}) or -100 (not scored)", targets)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @torch.no_grad()
@@ -1402,6 +1427,14 @@ class TransformerLM(nn.Module):
             raise ValueError(f"a prompt of {longest} real tokens plus max_new_tokens={max_new_tokens} makes "
                              f"{longest + max_new_tokens} tokens but the model has max_len={self.config.max_len} "
                              "positions")
+        if max_new_tokens > 1:                    # tokens after the first are decoded from the state
+            for i, block in enumerate(self.blocks):
+                phi = getattr(block.attn, "feature_map", None)
+                if _checks.position_dependent(phi):
+                    raise ValueError(
+                        f"generate cannot decode with the position-dependent feature_map {type(phi).__name__} of "
+                        f"block {i}: a decoding state does not record positions, so the new tokens would get the "
+                        "features of position 0; use a position-independent feature map to generate")
         if max_new_tokens == 0:
             return idx.clone()
         logits, state = self(idx, attention_mask=attention_mask, return_state=True)  # (B, T, V)
@@ -1434,6 +1467,18 @@ class TransformerLM(nn.Module):
 # ---------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------
+
+
+def _features(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """φ(q), φ(k) computed in the accumulation dtype (float32 for half inputs, as the functions do).
+
+    In float16 a feature map such as Performer's exponential underflows or overflows long before
+    float32 does; the features stay in float32 and the attention functions round only the output.
+    """
+    if phi is None:
+        return q, k
+    acc = _checks.accumulation_dtype(q.dtype)
+    return phi(q.to(acc)), phi(k.to(acc))
 
 
 def _describe(x) -> str:

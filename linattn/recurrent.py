@@ -190,7 +190,7 @@ def linear_attention_step(
         y_t = S_tᵀ φ(q_t) / z_tᵀ φ(q_t)
 
     The new token attends to itself and to every earlier token. Running it over
-    ``t = 1..T`` gives exactly ``linear_attention(q, k, v, causal=True)``; the cost per
+    ``t = 1..T`` gives ``linear_attention(q, k, v, causal=True)`` (up to rounding); the cost per
     token is ``O(M·Dv)`` time and the state's memory is constant in ``t``.
 
     Parameters
@@ -267,4 +267,4 @@ def linear_attention_step(
         if normalize:
             den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
             out = out / guarded_normaliser(den, eps)[0]
-    return out.to(q.dtype), LinearAttentionState(S, z)
+    return out.to(q.dtype), LinearAttentionState(S.contiguous(), z.contiguous())

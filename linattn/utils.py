@@ -24,7 +24,7 @@ def set_seed(seed: int = 0) -> torch.Generator:
     Parameters
     ----------
     seed : int
-        A non-negative integer.
+        An integer in ``[0, 2**32 - 1]`` (NumPy's range), Python's or NumPy's.
 
     Returns
     -------
@@ -34,14 +34,15 @@ def set_seed(seed: int = 0) -> torch.Generator:
     Raises
     ------
     TypeError
-        If ``seed`` is not an ``int``.
+        If ``seed`` is not an integer.
     ValueError
-        If ``seed`` is negative.
+        If ``seed`` is negative or above ``2**32 - 1`` (checked before any generator is seeded).
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
+    seed = int(seed)
+    if not 0 <= seed <= 2**32 - 1:
+        raise ValueError(f"seed must be in [0, 2**32 - 1] (NumPy's seeds), got {seed}")
     random.seed(seed)
     os.environ.setdefault("PYTHONHASHSEED", str(seed))
     try:

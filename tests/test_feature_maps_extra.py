@@ -130,8 +130,14 @@ def test_dpfp_matches_its_definition(nu):
 
 
 def test_dpfp_order_too_large():
-    with pytest.raises(ValueError, match=r"nu.*16.*got nu = 16"):
-        DPFPFeatures(nu=16)(_randn(2, D))
+    """From ν = D on, the products at distance D, relu(x_i)·relu(-x_i), are always zero: refused."""
+    x = _randn(2, D)
+    assert (DPFPFeatures(nu=D - 1)(x) != 0).any()
+    for nu in (D, 2 * D):
+        with pytest.raises(ValueError, match=rf"DPFP needs nu < D for inputs with D = {D}, got nu = {nu}.*always zero"):
+            DPFPFeatures(nu=nu)(x)
+    with pytest.raises(ValueError, match=r"got nu = 1"):                # D = 1: every DPFP feature would be 0
+        DPFPFeatures(nu=1)(_randn(2, 1))
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._numerics import all_finite, compiling, no_autocast
+from .._numerics import CausalPoison, all_finite, compiling, no_autocast
 from ..feature_maps import resolve_feature_map
 
 METHODS = ("auto", "chunk", "recurrent")
@@ -95,27 +95,32 @@ def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor
 
 
 def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
-         chunk: Callable[[bool], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The chosen algorithm; the chunk form keeps non-finite values causal.
+        chunk: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The chosen algorithm; the chunk form ``chunk(q, k, v) -> (out, S)`` keeps non-finite values causal.
 
-    A NaN or infinity in a later value or key of a chunk would reach the earlier rows
-    through the chunk's masked products (``0 · NaN = NaN``); it also makes the final state
+    A NaN or infinity in a later value or key of a chunk would reach the earlier rows through
+    the zeros of the chunk's causal masks (``0 · NaN = NaN``); it also makes the final state
     non-finite. So the chunk form runs as usual, and only if its final state is not finite
-    again with its masked products done by :func:`linattn._numerics.masked_matmul` (always
-    so under ``torch.compile`` and ``torch.func``, where the check cannot branch).
+    again on sanitised inputs, whose outputs and state then get NaN exactly where they depend on
+    a non-finite input (:class:`linattn._numerics.CausalPoison`): the positions before the first
+    non-finite input get bit for bit the outputs of finite inputs. Under ``torch.compile``, which
+    cannot branch on the check, the sanitised computation always runs.
     """
     if p.method == "recurrent":
         return recurrent()
-    always_safe = compiling()
-    out, S = chunk(always_safe)
-    if not always_safe and not all_finite(S):
-        out, S = chunk(True)
-    return out, S
+    if not compiling():
+        out, S = chunk(p.q, p.k, p.v)
+        if all_finite(S):
+            return out, S
+    poison = CausalPoison(p.q, p.k, p.v)
+    out, S = chunk(poison.q, poison.k, poison.v)
+    return poison.outputs(out), poison.state(S)
 
 
 def finish(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: bool) -> Result:
+    """The output in the input dtype, and the state (contiguous, memory of its own) if asked for."""
     out = out.to(dtype)
-    return (out, S) if return_state else out
+    return (out, S.contiguous()) if return_state else out
 
 
 
@@ -269,11 +274,11 @@ class ChunkDecay:
             between = (sums.between @ totals).reshape(*lead, self.n, self.n, 1, Dk)
             self.pair = between.exp() * sums.earlier                              # (…, n(i), n(j), 1, Dk)
 
-    def scores(self, x: Tensor, y: Tensor, *, strict: bool = False, safe: bool = False) -> Tensor:
+    def scores(self, x: Tensor, y: Tensor, *, strict: bool = False) -> Tensor:
         """``(…, Cp, Cp)``: ``Σ_d x_td y_sd exp(b_td − b_sd)`` for ``s <= t`` (``s < t`` if ``strict``), else 0.
 
-        ``x``, ``y`` are ``(…, Cp, Dk)``. With ``safe`` a non-finite entry of a later token
-        never reaches an earlier row (masks are applied by selection, not multiplication).
+        ``x``, ``y`` are ``(…, Cp, Dk)``, finite. The entries above the diagonal are exact zeros,
+        never products with later tokens' values (which could overflow).
         """
         *lead, Cp, Dk = x.shape
         n, L = self.n, self.L
@@ -300,8 +305,5 @@ class ChunkDecay:
             x_rel = x_s * self.incl                                               # (…, n, L, Dk)
             y_rel = ((y_s * self.after).unsqueeze(-4) * self.pair)                # (…, n(i), n(j), L, Dk)
             off = x_rel @ y_rel.reshape(*lead, n, n * L, Dk).transpose(-1, -2)    # (…, n(i), L, n·L)
-            off = off.reshape(*lead, n, L, n, L)
-            if safe:
-                off = off.masked_fill(self.sums.earlier.view(n, 1, n, 1) == 0, 0.0)
-            A = A + off
+            A = A + off.reshape(*lead, n, L, n, L)
         return A.reshape(*lead, Cp, Cp)

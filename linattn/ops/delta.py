@@ -14,7 +14,7 @@ from torch import Tensor
 from .. import _checks
 from ._common import (Result, check_like_q, finish, from_chunks, num_chunks, prepare, read, run, scan, to_chunks,
                         zeros_state)
-from .._numerics import masked_matmul, no_autocast
+from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
 
 __all__ = ['delta_rule']
@@ -91,7 +91,7 @@ def delta_rule(
     with no_autocast(q.device):
         beta = beta.to(p.acc)
         out, S = run(p, lambda: _delta_recurrent(p.q, p.k, p.v, beta, p.S0),
-                      lambda safe: _delta_chunk(p.q, p.k, p.v, beta, p.S0, p.chunk_size, safe))
+                      lambda q, k, v: _delta_chunk(q, k, v, beta, p.S0, p.chunk_size))
     return finish(out, S, q.dtype, p.return_state)
 
 
@@ -110,7 +110,7 @@ def _delta_recurrent(q, k, v, beta, S0):
     return torch.stack(outs, dim=2), S
 
 
-def _delta_chunk(q, k, v, beta, S0, chunk_size, safe=False):
+def _delta_chunk(q, k, v, beta, S0, chunk_size):
     """Chunkwise delta rule through the WY / UT representation (see :func:`delta_rule`).
 
     Padded tokens have ``k = v = q = 0`` and ``β = 0``: they leave the state unchanged.
@@ -126,11 +126,7 @@ def _delta_chunk(q, k, v, beta, S0, chunk_size, safe=False):
     sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
     W, U_tilde = sol[..., :Dk], sol[..., Dk:]                          # (B, H, N, C, Dk), (..., Dv)
     A = (qc @ kc.transpose(-1, -2)).tril()                             # (B, H, N, C, C)
-    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
-        causal = torch.ones(C, C, dtype=q.dtype, device=q.device).tril()
-        AW, AU = masked_matmul(A, W, causal), masked_matmul(A, U_tilde, causal)
-    else:
-        AW, AU = A @ W, A @ U_tilde
+    AW, AU = A @ W, A @ U_tilde
     q_eff = qc - AW                                                    # O = q_eff S + A Ũ
     kt = kc.transpose(-1, -2)
     transition = torch.eye(Dk, dtype=q.dtype, device=q.device) - kt @ W   # (B, H, N, Dk, Dk)

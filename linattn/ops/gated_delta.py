@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from .._numerics import masked_matmul, no_autocast
+from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
 from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
                       read, run, scan, subchunk_length, to_chunks, zeros_state)
@@ -143,8 +143,7 @@ def gated_delta_rule(
         log_g = (log_g if per_channel else log_g.unsqueeze(-1)).to(p.acc)          # (B, H, T, Dk or 1)
         beta = beta.to(p.acc)
         out, S = run(p, lambda: _gated_delta_recurrent(p.q, p.k, p.v, log_g, beta, p.S0),
-                     lambda safe: _gated_delta_chunk(p.q, p.k, p.v, log_g, beta, p.S0, p.chunk_size, per_channel,
-                                                     safe))
+                     lambda q, k, v: _gated_delta_chunk(q, k, v, log_g, beta, p.S0, p.chunk_size, per_channel))
     return finish(out, S, q.dtype, p.return_state)
 
 
@@ -185,7 +184,7 @@ def _scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return D, from_start, to_end, g.sum(-2).exp()
 
 
-def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel, safe=False):
+def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
     """Chunkwise gated delta rule through the WY / UT representation (see :func:`gated_delta_rule`).
 
     Padded tokens have ``k = v = q = 0``, ``β = 0`` and ``log_g = 0``: they leave the state unchanged.
@@ -204,28 +203,23 @@ def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel, safe=F
         return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
 
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, log_g, beta.unsqueeze(-1)))
-    causal = torch.ones(Cp, Cp, dtype=q.dtype, device=q.device).tril()
     if per_channel:
         decay = ChunkDecay(gc, L)
-        P = decay.scores(qc, kc, safe=safe)                             # (B, H, N, Cp, Cp), s <= t
-        A = decay.scores(kc, kc, strict=True, safe=safe)                # s < t
+        P = decay.scores(qc, kc)                                        # (B, H, N, Cp, Cp), s <= t
+        A = decay.scores(kc, kc, strict=True)                           # s < t
         from_start, to_end, total = decay.from_start, decay.to_end, decay.total.unsqueeze(-1)  # (…, Dk, 1)
     else:
         D, from_start, to_end, total = _scalar_decay(gc)
-        P = (qc @ kc.transpose(-1, -2)) * D
-        A = ((kc @ kc.transpose(-1, -2)) * D).tril(-1)
-        if safe:   # masks by selection: a NaN key of a later token must not reach earlier rows
-            P = P.masked_fill(causal == 0, 0.0)
+        # tril_ first: the products with later keys may overflow, and inf · 0 would be NaN
+        P = (qc @ kc.transpose(-1, -2)).tril_() * D
+        A = (kc @ kc.transpose(-1, -2)).tril_(-1) * D
         total = total.unsqueeze(-1)                                     # (B, H, N, 1, 1)
     eye = torch.eye(Cp, dtype=q.dtype, device=q.device)
     T_mat = eye + bc * A                                                # I + diag(β) A, unit lower
     rhs = torch.cat([bc * (kc * from_start), bc * vc], dim=-1)          # diag(β) [K̃, V]
     sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
     W, U_tilde = sol[..., :Dk], sol[..., Dk:]                           # (…, Cp, Dk), (…, Cp, Dv)
-    if safe:   # keep a NaN/inf of a later token out of earlier rows (see run)
-        PW, PU = masked_matmul(P, W, causal), masked_matmul(P, U_tilde, causal)
-    else:
-        PW, PU = P @ W, P @ U_tilde
+    PW, PU = P @ W, P @ U_tilde
     k_end = (kc * to_end).transpose(-1, -2)                             # K̂ᵀ (…, Dk, Cp)
     eye_k = torch.eye(Dk, dtype=q.dtype, device=q.device)
     transition = eye_k * total - k_end @ W                              # diag(e^{b_C}) − K̂ᵀ W, (…, Dk, Dk)

@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import _checks
 from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
                       read, run, scan, subchunk_length, to_chunks, zeros_state)
-from .._numerics import masked_matmul, no_autocast
+from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
 
 __all__ = ['gated_linear_attention']
@@ -93,7 +93,7 @@ def gated_linear_attention(
     with no_autocast(q.device):
         log_g = log_g.to(p.acc)
         out, S = run(p, lambda: _gla_recurrent(p.q, p.k, p.v, log_g, p.S0),
-                      lambda safe: _gla_chunk(p.q, p.k, p.v, log_g, p.S0, p.chunk_size, safe))
+                      lambda q, k, v: _gla_chunk(q, k, v, log_g, p.S0, p.chunk_size))
     return finish(out, S, q.dtype, p.return_state)
 
 
@@ -110,7 +110,7 @@ def _gla_recurrent(q, k, v, log_g, S0):
     return torch.stack(outs, dim=2), S
 
 
-def _gla_chunk(q, k, v, log_g, S0, chunk_size, safe=False):
+def _gla_chunk(q, k, v, log_g, S0, chunk_size):
     """Chunkwise GLA with sub-chunks (see :func:`gated_linear_attention`).
 
     Each chunk is zero-padded to a multiple ``Cp`` of the sub-chunk length ``L``: padded
@@ -142,11 +142,8 @@ def _gla_chunk(q, k, v, log_g, S0, chunk_size, safe=False):
 
     qc, kc, vc, gc = (chunks(x) for x in (q, k, v, log_g))
     decay = ChunkDecay(gc, L)
-    A = decay.scores(qc, kc, safe=safe)                                # (B, H, N, Cp, Cp)
-    if safe:   # keep a NaN/inf of a later token out of earlier rows (see run)
-        out = masked_matmul(A, vc, torch.ones(Cp, Cp, dtype=q.dtype, device=q.device).tril())
-    else:
-        out = A @ vc                                                   # (B, H, N, Cp, Dv)
+    A = decay.scores(qc, kc)                                           # (B, H, N, Cp, Cp)
+    out = A @ vc                                                       # (B, H, N, Cp, Dv)
     U = (kc * decay.to_end).transpose(-1, -2) @ vc                     # (B, H, N, Dk, Dv)
     S_before, S = scan(zeros_state(k, v, S0), lambda S, d, u: d * S + u, decay.total.unsqueeze(-1), U)
     out = out + (qc * decay.from_start) @ S_before                     # (B, H, N, Cp, Dv)

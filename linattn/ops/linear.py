@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._numerics import all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
+from .._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
 from ..recurrent import step_features
 
 __all__ = ["chunk_linear_attention", "chunkwise_linear_attention", "parallel_linear_attention",
@@ -160,7 +160,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int, nan_safe: bool):
+    def forward(phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
         B, H, T, M = phi_q.shape
         Dv = v.shape[-1]
         C = min(chunk_size, T)             # a chunk longer than the sequence only adds padding
@@ -180,10 +180,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
             scores = torch.bmm(q_c, k_c.transpose(1, 2)).tril_()              # (BHN, C, C)
             y = phi_q.new_empty(B, H, N * C, Dv)                               # the output, filled in place
             out = torch.bmm(q_c, S_before, out=y.view(BH * N, C, Dv))          # (BHN, C, Dv): earlier chunks
-            if nan_safe:                                                       # + this chunk, causally even
-                out.add_(masked_matmul(scores, v_c, _causal_ones(C, v_c)))     # for non-finite values
-            else:
-                out.baddbmm_(scores, v_c)                                      # + this chunk
+            out.baddbmm_(scores, v_c)                                          # + this chunk
             z_before, z_final = _normaliser_states(k_c, BH, N, M, z0_, (B, H, M))
             den = den_ok = None
             if normalize:
@@ -199,7 +196,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, _ = inputs
+        phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size = inputs
         y, S_final, z_final, y_all, den, den_ok, scores, S_before, z_before = output
         ctx.set_materialize_grads(False)   # unused outputs' gradients stay None: no zero tensors
         ctx.mark_non_differentiable(*(t for t in output[3:] if t is not None))
@@ -219,13 +216,13 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
             g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before, normalize, C, T)
         g_q, g_k, g_v, g_S0, g_z0 = grads
         has_S0, has_z0 = ctx.has_state
-        return (g_q, g_k, g_v, g_S0 if has_S0 else None, g_z0 if has_z0 else None, None, None, None, None)
+        return (g_q, g_k, g_v, g_S0 if has_S0 else None, g_z0 if has_z0 else None, None, None, None)
 
     @staticmethod
-    def vmap(info, in_dims, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, nan_safe):
+    def vmap(info, in_dims, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size):
         V = info.batch_size
         args = [_fold(x, d, V) for x, d in zip((phi_q, phi_k, v, S0, z0), in_dims[:5])]
-        out = _chunkwise_function().apply(*args, normalize, eps, chunk_size, nan_safe)
+        out = _chunkwise_function().apply(*args, normalize, eps, chunk_size)
         return tuple(_unfold(o, V) for o in out), tuple(None if o is None else 0 for o in out)
 
 
@@ -266,7 +263,7 @@ class _ChunkwiseLinearAttentionWithJvp(_ChunkwiseLinearAttention):
             else:
                 d_y = d_num
         return (d_y, d_state[..., :-1].contiguous(), d_state[..., -1].contiguous(),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None)                          # one tangent per output
 
 
 def _chunkwise_function():
@@ -388,11 +385,6 @@ _NO_SECOND_DERIVATIVE = (
     "method='recurrent' for higher-order gradients")
 
 
-def _causal_ones(C: int, like: Tensor) -> Tensor:
-    """(C, C) lower-triangular 0/1 matrix: query ``i`` of a chunk sees keys ``j <= i``."""
-    return torch.ones(C, C, dtype=like.dtype, device=like.device).tril_()
-
-
 def _normaliser_states(k_c: Tensor, BH: int, N: int, M: int, z0: Optional[Tensor],
                        final_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """z before each chunk (BH * N, M) and after the last one, from the chunks' key features."""
@@ -435,10 +427,10 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     Causality with non-finite values: in ``tril(φ(Q_c)φ(K_c)ᵀ) V_c`` a NaN or infinity in a
     later value of the chunk would reach every earlier row (``0 · NaN = NaN``). A non-finite
     value anywhere makes the final state non-finite, so that is checked (one tiny reduction);
-    only then is the chunk product recomputed with :func:`linattn._numerics.masked_matmul`,
-    which keeps each output entry to what it may see. Under ``torch.compile`` and
-    ``torch.func`` transforms (where a data-dependent branch is not possible) the masked
-    product is always used.
+    only then is the computation repeated on sanitised inputs, and the outputs and states that
+    depend on a non-finite input are set to NaN (:class:`linattn._numerics.CausalPoison`): the
+    positions before it get bit for bit the outputs of finite inputs. Under ``torch.compile``
+    (which cannot branch on the check) the sanitised computation always runs.
 
     Parameters
     ----------
@@ -465,12 +457,15 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
         tensors of their own.
     """
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
-    always_safe = compiling()
     fn = _chunkwise_function()
-    out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, always_safe)
-    if not always_safe and not all_finite(out[1], out[2]):   # a NaN/inf somewhere: keep it causal
-        out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size, True)
-    return out[0], out[1], out[2]
+    if not compiling():
+        out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
+        if all_finite(out[1], out[2]):
+            return out[0], out[1], out[2]
+    # A NaN/inf somewhere (or torch.compile, which cannot branch on that): keep it causal.
+    poison = CausalPoison(phi_q, phi_k, v)
+    out = fn.apply(poison.q, poison.k, poison.v, S0, z0, normalize, eps, chunk_size)
+    return poison.outputs(out[0]), poison.state(out[1]), poison.normaliser(out[2])
 
 
 # --------------------------------------------------------------------------- the reference algorithms

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import _checks
 from ._common import Result, from_chunks, num_chunks, prepare, read, run, scan, to_chunks, zeros_state, finish
-from .._numerics import masked_matmul, no_autocast
+from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
 
 __all__ = ['retention']
@@ -100,7 +100,7 @@ def retention(
     with no_autocast(q.device):
         gamma_t = _check_gamma(gamma, q, p.acc)
         out, S = run(p, lambda: _retention_recurrent(p.q, p.k, p.v, gamma_t, p.S0),
-                      lambda safe: _retention_chunk(p.q, p.k, p.v, gamma_t, p.S0, p.chunk_size, safe))
+                      lambda q, k, v: _retention_chunk(q, k, v, gamma_t, p.S0, p.chunk_size))
     return finish(out, S, q.dtype, p.return_state)
 
 
@@ -132,7 +132,8 @@ def _check_gamma(gamma, q: Tensor, acc: torch.dtype) -> Tensor:
         raise TypeError(f"gamma must be a float or a tensor of shape (heads,), got {_checks.type_name(gamma)}")
     # a positive float64 γ below float32's range
     _checks.check_values(gamma_t != 0, "gamma", f"a number that does not underflow to 0 in {acc} "
-                         f"(use a gamma >= {torch.finfo(acc).tiny:.3g})", gamma)
+                         f"(use a gamma >= {torch.finfo(acc).tiny:.3g})",
+                         gamma if isinstance(gamma, Tensor) else None)
     return gamma_t
 
 
@@ -150,7 +151,7 @@ def _retention_recurrent(q, k, v, gamma, S0):
     return torch.stack(outs, dim=2), S
 
 
-def _retention_chunk(q, k, v, gamma, S0, chunk_size, safe=False):
+def _retention_chunk(q, k, v, gamma, S0, chunk_size):
     """Chunkwise retention; gamma (H,) in (0, 1].
 
     Per chunk with ``n`` real tokens (``n = C`` except maybe the last) and ``t, s`` counted
@@ -170,12 +171,9 @@ def _retention_chunk(q, k, v, gamma, S0, chunk_size, safe=False):
     g3 = gamma.view(H, 1, 1)
     causal = torch.ones(C, C, dtype=acc, device=dev).tril()            # 0/1, (C, C)
     intra = g3 ** (t[:, None] - t[None, :]).clamp(min=0).to(acc) * causal   # (H, C, C): γ^(t−s), s <= t
-    scores = (qc @ kc.transpose(-1, -2)) * intra.unsqueeze(1)          # (B, H, N, C, C)
-    if safe:   # keep a NaN/inf of a later token out of earlier rows (see _run)
-        scores = scores.masked_fill(causal == 0, 0.0)
-        out = masked_matmul(scores, vc, causal)                        # (B, H, N, C, Dv)
-    else:
-        out = scores @ vc                                              # (B, H, N, C, Dv)
+    # tril_ first: the products with later keys may overflow, and inf · 0 would be NaN
+    scores = (qc @ kc.transpose(-1, -2)).tril_() * intra.unsqueeze(1)  # (B, H, N, C, C)
+    out = scores @ vc                                                  # (B, H, N, C, Dv)
 
     n_real = (T - torch.arange(N, device=dev) * C).clamp(max=C)        # (N,) real tokens per chunk
     pos = torch.minimum(t[None, :] + 1, n_real[:, None])               # (N, C): 1..n, then n on padding
