@@ -32,6 +32,21 @@ def check_tensor(x, name: str, ndim: int, layout: str) -> None:
         raise ValueError(f"{name} must not have an empty dimension, got shape {shape_str(x.shape)}")
 
 
+def check_layer_input(x, name: str, width: int, width_name: str, weight: Tensor, hint: str = "") -> None:
+    """``x`` is a floating ``(batch, seq, width)`` tensor (batch, seq >= 1) in ``weight``'s dtype and
+    on its device: the input of a layer whose parameters include ``weight``."""
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        got = f"a {x.dtype} tensor of shape {shape_str(x.shape)}" if isinstance(x, Tensor) else type_name(x)
+        raise TypeError(f"{name} must be a floating-point torch.Tensor, got {got}")
+    if x.dim() != 3 or x.shape[-1] != width or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{name} must have shape (batch, seq, {width_name}={width}) with batch, seq >= 1{hint}, "
+                         f"got {shape_str(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{name} has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"{name} is on {x.device} but the layer's parameters are on {weight.device}")
+
+
 def check_same_kind(named: dict[str, Tensor]) -> None:
     """All tensors share one dtype and one device."""
     items = list(named.items())

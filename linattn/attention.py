@@ -12,7 +12,7 @@ from torch import Tensor
 from . import _checks
 from ._numerics import all_finite, compiling, masked_matmul, no_autocast
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
 from .recurrent import LinearAttentionState, check_initial_state, finish
 
 __all__ = ["softmax_attention", "linear_attention", "METHODS"]
@@ -139,9 +139,13 @@ def linear_attention(
     - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
     - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.ops.linear`. On CUDA,
       when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
-      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it);
+      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it; for
+      float16/bfloat16 inputs it reads features and values in that dtype, and accumulates,
+      keeps the state and returns in float32);
       ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
-      PyTorch path takes over with a ``RuntimeWarning``.
+      PyTorch path takes over with a ``RuntimeWarning``. On the CPU, ``LINATTN_CPU_KERNEL=1``
+      selects the compiled CPU path of :mod:`linattn.kernels.cpu` for float32/float64 (built on
+      first use where a C++ compiler exists; the PyTorch path otherwise).
     - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
 
     Parameters
@@ -237,6 +241,10 @@ def linear_attention(
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
                       return_state, acc):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
+    if (method == "chunk" and phi is elu_plus_one and attention_mask is None
+            and not _fused_kernel_applies(q, chunk_size) and _cpu_kernel_applies(q.to(acc))):
+        return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
+                          return_state, acc, feature_map="elu+1")
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
     v32 = v.to(acc)
     if attention_mask is not None:                                         # mask after φ; padded keys
@@ -247,12 +255,14 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
-        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size)
+        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
         # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
         if fused is not None and (compiling() or all_finite(fused[1])):
             out_aug, S = fused
             out = finish(out_aug, normalize, eps)
             return out, (LinearAttentionState.from_augmented(S) if return_state else None)
+    if method == "chunk" and _cpu_kernel_applies(phi_q):
+        return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
     if method == "chunk":
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
@@ -277,8 +287,9 @@ _FUSED_KERNEL_FAILURE: list[str] = []
 
 
 def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
-    """The Triton kernel runs for CUDA float32 features and power-of-two chunks >= 16, unless
-    the environment sets ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
+    """The Triton kernel runs for CUDA features (float32 here: for half inputs the kernel then reads
+    them rounded back to the input dtype) and power-of-two chunks >= 16, unless the environment sets
+    ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
     if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" or _FUSED_KERNEL_FAILURE:
         return False
     if not phi_q.is_cuda or phi_q.dtype != torch.float32:
@@ -290,15 +301,52 @@ def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
     return triton_available()
 
 
+def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
+    """The compiled CPU path (:mod:`linattn.kernels.cpu`): (output, state or None)."""
+    from .kernels.cpu import causal_linear_attention_cpu
+
+    if initial_state is not None:
+        B, H, _, M = k.shape
+        state0 = check_initial_state(initial_state, B, H, M, v.shape[-1], acc, q.device)
+    out, S, z = causal_linear_attention_cpu(
+        q, k, v, None if state0 is None else state0.S, None if state0 is None else state0.z,
+        normalize=normalize, eps=eps, chunk_size=chunk_size, feature_map=feature_map)
+    return out, (LinearAttentionState(S, z) if return_state else None)
+
+
+def _cpu_kernel_applies(phi_q: Tensor) -> bool:
+    """The compiled CPU kernel runs for CPU float32/float64 features when ``LINATTN_CPU_KERNEL=1``
+    (outside ``torch.compile`` and ``torch.func`` transforms) and the kernel could be built here."""
+    from .kernels import cpu
+
+    if not cpu.cpu_kernel_enabled() or phi_q.device.type != "cpu" or phi_q.dtype not in (torch.float32,
+                                                                                          torch.float64):
+        return False
+    if compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if not cpu.cpu_kernel_available():
+        cpu.warn_unavailable_once()
+        return False
+    return True
+
+
 def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
-                 chunk_size: int) -> Optional[tuple[Tensor, Tensor]]:
-    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU."""
+                 chunk_size: int, input_dtype: torch.dtype = torch.float32) -> Optional[tuple[Tensor, Tensor]]:
+    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU.
+
+    For float16/bfloat16 inputs the kernel reads the features and values in that dtype (half
+    the memory traffic) and accumulates and returns in float32; the state is float32 too.
+    """
     from . import kernels
 
     S0 = None if state0 is None else state0.augmented()
     v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)   # (B, H, T, Dv + 1)
+    half = input_dtype in (torch.float16, torch.bfloat16)
+    if half:
+        phi_q, phi_k, v_aug = (x.to(input_dtype) for x in (phi_q, phi_k, v_aug))
     try:
-        return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size)
+        return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size,
+                                                     out_dtype=torch.float32 if half else None)
     except Exception as err:  # e.g. a compile or launch failure (out of shared memory) on this GPU
         _FUSED_KERNEL_FAILURE.append(repr(err))
         warnings.warn(

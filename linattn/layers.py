@@ -294,16 +294,7 @@ class _MultiHeadProjections(nn.Module):
     def _check_inputs(self, x, attention_mask, return_state) -> tuple[Optional[Tensor], bool]:
         """Check the arguments of ``forward``; returns the attention mask as bool (or None) and
         ``return_state`` as a Python bool."""
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point torch.Tensor, got {_describe(x)}")
-        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[0] == 0 or x.shape[1] == 0:
-            raise ValueError(f"x must have shape (batch, seq, d_model={self.d_model}) with batch, seq >= 1, "
-                             f"got {shape_str(x.shape)}")
-        weight = self.q_proj.weight
-        if x.dtype != weight.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
-        if x.device != weight.device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
+        _checks.check_layer_input(x, "x", self.d_model, "d_model", self.q_proj.weight)
         return_state = _checks.check_bool(return_state, "return_state")
         return _check_attention_mask(attention_mask, x.shape[0], x.shape[1], x.device), return_state
 
@@ -877,16 +868,8 @@ class LinearMultiheadAttention(_MultiHeadProjections):
         return self._merge(y.to(query.dtype)), None                        # (B, Tq, embed_dim)
 
     def _check_sequence(self, t, name: str) -> None:
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {_describe(t)}")
-        if t.dim() != 3 or t.shape[-1] != self.embed_dim or t.shape[0] == 0 or t.shape[1] == 0:
-            raise ValueError(f"{name} must have shape (batch, seq, embed_dim={self.embed_dim}) with batch, seq >= 1 "
-                             f"(batch first; unbatched inputs are not supported), got {shape_str(t.shape)}")
-        weight = self.q_proj.weight
-        if t.dtype != weight.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but the layer's parameters are {weight.dtype}")
-        if t.device != weight.device:
-            raise ValueError(f"{name} is on {t.device} but the layer's parameters are on {weight.device}")
+        _checks.check_layer_input(t, name, self.embed_dim, "embed_dim", self.q_proj.weight,
+                                  hint=" (batch first; unbatched inputs are not supported)")
 
 
 # ---------------------------------------------------------------------------------------

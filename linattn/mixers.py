@@ -550,17 +550,7 @@ class LinearMixer(nn.Module):
         return t if self.group_size == 1 else t.repeat_interleave(self.group_size)
 
     def _check_inputs(self, x, attention_mask, return_state) -> tuple[Optional[Tensor], bool]:
-        if not isinstance(x, Tensor) or not x.is_floating_point():
-            got = f"a {x.dtype} tensor" if isinstance(x, Tensor) else _checks.type_name(x)
-            raise TypeError(f"x must be a floating-point torch.Tensor, got {got}")
-        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[0] == 0 or x.shape[1] == 0:
-            raise ValueError(f"x must have shape (batch, seq, d_model={self.d_model}) with batch, seq >= 1, "
-                             f"got {shape_str(x.shape)}")
-        weight = self.q_proj.weight
-        if x.dtype != weight.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {weight.dtype}")
-        if x.device != weight.device:
-            raise ValueError(f"x is on {x.device} but the layer's parameters are on {weight.device}")
+        _checks.check_layer_input(x, "x", self.d_model, "d_model", self.q_proj.weight)
         return_state = _checks.check_bool(return_state, "return_state")
         return _checks.attention_mask_as_bool(attention_mask, x.shape[0], x.shape[1], x.device), return_state
 

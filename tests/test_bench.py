@@ -24,6 +24,8 @@ ROW_KEYS = {
     "method", "seq_len", "batch", "heads", "head_dim", "chunk_size", "dtype", "device", "status", "note",
     "fwd_s", "fwd_bwd_s", "peak_memory_bytes", "memory_pass", "predicted_memory_bytes", "max_memory_bytes",
     "fwd_flops", "fwd_gflops", "matmul_gflops", "matmul_fraction",
+    # interleaved repetitions: every repetition, their spread, the yardstick's spread, threads, CPU/GPU
+    "fwd_times", "fwd_bwd_times", "fwd_spread", "fwd_bwd_spread", "matmul_spread", "threads", "device_name",
 }
 MEASURED = ("fwd_s", "fwd_bwd_s", "peak_memory_bytes", "fwd_gflops", "matmul_fraction")
 
@@ -60,13 +62,16 @@ def test_cli_end_to_end_writes_json_table_and_plot(tmp_path):
                 "chunk_size", "matmul_gflops", "date", "command"):
         assert key in meta, key
     assert meta["dtype"] == "float32" and meta["device"] == "cpu" and meta["seq_lens"] == [64, 100]
-    assert meta["methods"] == list(bench.METHODS) and meta["matmul_gflops"] > 0
+    assert meta["methods"] == list(bench.DEFAULT_METHODS) and meta["matmul_gflops"] > 0
+    assert "cpu" in meta and "load_average" in meta
 
     results = data["results"]
-    assert [(r["seq_len"], r["method"]) for r in results] == [(T, m) for T in (64, 100) for m in bench.METHODS]
+    assert [(r["seq_len"], r["method"]) for r in results] == [(T, m) for T in (64, 100)
+                                                              for m in bench.DEFAULT_METHODS]
+    unavailable_here = {"fused"} | ({"chunk_cpu"} if bench.unavailable("chunk_cpu", torch.device("cpu"), 64) else set())
     for r in results:
         assert set(r) == ROW_KEYS
-        expected = "unavailable" if r["method"] == "fused" else "ok"   # no CUDA in a CPU run
+        expected = "unavailable" if r["method"] in unavailable_here else "ok"   # no CUDA in a CPU run
         assert r["status"] == expected, r["note"]
         assert r["fwd_flops"] > 0 and r["predicted_memory_bytes"] > 0
         if expected == "ok":
@@ -178,7 +183,7 @@ def test_run_benchmark_forward_only_and_prediction_bounds_measured_memory():
 
 
 def test_a_failing_cell_is_reported_and_the_run_goes_on(monkeypatch, capsys):
-    real = bench._method_fn
+    real = bench.run.method_fn
 
     def broken(method, chunk_size):
         if method == "chunk":
@@ -187,7 +192,7 @@ def test_a_failing_cell_is_reported_and_the_run_goes_on(monkeypatch, capsys):
             return fn
         return real(method, chunk_size)
 
-    monkeypatch.setattr(bench, "_method_fn", broken)
+    monkeypatch.setattr(bench.run, "method_fn", broken)
     argv = ["--device", "cpu", "--seq-lens", "16", "--heads", "1", "--head-dim", "4", "--repeats", "1",
             "--warmup", "0", "--methods", "chunk", "baseline_chunk", "--no-progress"]
     assert bench.main(argv) == 1
@@ -199,7 +204,10 @@ def test_a_failing_cell_is_reported_and_the_run_goes_on(monkeypatch, capsys):
 def test_fused_is_unavailable_on_cpu():
     (row,) = bench.run_benchmark(["fused"], [16], **TINY)
     assert row["status"] == "unavailable" and "CUDA" in row["note"]
-    assert "unavailable" in bench.format_table([row])
+    table = bench.format_table([row])
+    # left out of the table, not printed as a row: named once, under it, with the reason
+    assert "left out (cannot run here): fused: the Triton kernel runs on CUDA only" in table
+    assert not any(line.split()[:2] == ["16", "fused"] for line in table.splitlines())
 
 
 def test_forward_flops_share_one_count_per_problem():
@@ -265,11 +273,12 @@ def test_decay_title_gives_the_effective_chunk_size(capsys):
     rows = bench.run_decay_benchmark([9, 70], variants=["gla"], heads=1, head_dim=4, chunk_size=64, repeats=1,
                                      warmup=0, backward=False)
     assert [(r["seq_len"], r["chunk_size"], r["effective_chunk_size"]) for r in rows] == [
-        (9, 64, 9), (9, 64, 9), (70, 64, 64), (70, 64, 64)]
+        (9, 64, 9), (9, 64, 9), (9, 64, 9), (70, 64, 64), (70, 64, 64), (70, 64, 64)]   # ungated, chunk, recurrent
     lines = bench.format_decay_table(rows).splitlines()
     assert "C=min(64, T)" in lines[0]
     assert lines[2].split()[:3] == ["T", "variant", "C"]
-    assert lines[3].split()[:3] == ["9", "gla", "9"] and lines[4].split()[:3] == ["70", "gla", "64"]
+    assert lines[3].split()[:3] == ["9", "ungated", "9"] and lines[4].split()[:3] == ["9", "gla", "9"]
+    assert lines[5].split()[:3] == ["70", "ungated", "64"] and lines[6].split()[:3] == ["70", "gla", "64"]
 
 
 def test_decay_threads_are_pinned_recorded_and_restored(tmp_path, capsys):
@@ -302,3 +311,80 @@ def test_baselines_without_causal_flag_name_themselves_on_length_mismatch():
                      (bench.baseline_chunk_linear_attention, "baseline_chunk_linear_attention")):
         with pytest.raises(ValueError, match=rf"^{name} is causal .*got q with seq 10 and k with seq 6$"):
             fn(q, k[:, :, :6], v[:, :, :6])
+
+
+# ------------------------------------------------------------------ interleaving, spreads, peers, threads
+
+
+def test_interleaved_rounds_rotate_the_order_and_drop_a_failing_function():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+
+    def broken():
+        calls.append("x")
+        if calls.count("x") == 3:          # fails in its second timed round
+            raise RuntimeError("boom")
+
+    fns["x"] = broken
+    errors = []
+    times = bench.interleaved_times(fns, repeats=4, warmup=1, on_error=lambda n, e: errors.append((n, str(e))))
+    assert calls[:4] == ["a", "b", "c", "x"]                             # the warm-up calls, once each
+    rounds = calls[4:]
+    assert rounds[:4] == ["a", "b", "c", "x"] and rounds[4:8] == ["b", "c", "x", "a"]   # rotated by one
+    assert errors == [("x", "boom")] and len(times["x"]) == 1             # timed once, then dropped
+    assert all(len(times[n]) == 4 for n in "abc")
+    assert bench.summarise([1.0, 2.0, 4.0]) == {"median": 2.0, "min": 1.0, "max": 4.0, "spread": 1.5}
+    assert bench.paired_ratios([2.0, 4.0, 9.0], [1.0, 4.0, 3.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_table_shows_spreads_marks_noise_and_divides_by_the_reference_round_by_round():
+    rows = bench.run_benchmark(["baseline_chunk", "chunk"], [32], **TINY | {"repeats": 3})
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        assert len(r["fwd_times"]) == len(r["fwd_bwd_times"]) == 3 and r["threads"] == torch.get_num_threads()
+        assert r["fwd_spread"] == (max(r["fwd_times"]) - min(r["fwd_times"])) / r["fwd_s"]
+    # a doctored noisy cell (one repetition 10x slower, as on a busy machine) is marked
+    noisy = dict(by["baseline_chunk"], fwd_times=[1e-3, 1e-3, 1e-2], fwd_s=1e-3, fwd_spread=9.0)
+    chunk = dict(by["chunk"], fwd_times=[1e-3, 2e-3, 1e-3])
+    table = bench.format_table([noisy, chunk], reference="chunk")
+    line = next(x for x in table.splitlines() if x.split()[:2] == ["32", "baseline_chunk"])
+    assert "1.00 ±450%!" in line and "1.00 (0.5-10.0)" in line
+    assert "1 thread" in table.splitlines()[0] and bench.cpu_name() in table.splitlines()[0]
+
+
+def test_main_table_names_the_threads_and_the_cpu(capsys):
+    argv = ["--device", "cpu", "--seq-lens", "16", "--heads", "1", "--head-dim", "4", "--repeats", "1",
+            "--warmup", "0", "--methods", "baseline_chunk", "chunk", "--no-progress", "--threads", "1"]
+    before = torch.get_num_threads()
+    assert bench.main(argv) == 0 and torch.get_num_threads() == before
+    title = capsys.readouterr().out.splitlines()[0]
+    assert "1 thread," in title and bench.cpu_name() in title
+
+
+def test_peers_are_timed_alongside_and_checked():
+    peer = lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, method="quadratic")  # noqa: E731
+    rows = bench.run_benchmark(["chunk"], [24], **TINY, peers={"my_peer": peer})
+    assert [(r["method"], r["status"]) for r in rows] == [("chunk", "ok"), ("my_peer", "ok")]
+    assert "my_peer" in bench.format_table(rows)
+    with pytest.raises(ValueError, match="peers"):
+        bench.run_benchmark(["chunk"], [8], **TINY, peers={"chunk": peer})
+    with pytest.raises(ValueError, match="peers"):
+        bench.run_benchmark(["chunk"], [8], **TINY, peers={"x": 3})
+
+
+def test_compiled_baseline_matches_the_quadratic_form():
+    q, k, v = (x.detach().float().requires_grad_() for x in _qkv(1, 2, 37, 8, 8))
+    got = _output_and_grads(lambda q, k, v: bench.compiled_baseline_linear_attention(q, k, v, chunk_size=16), q, k, v)
+    want = _output_and_grads(lambda q, k, v: linattn.linear_attention(q.double(), k.double(), v.double(),
+                                                                      causal=True, method="quadratic").float(),
+                             q, k, v)                                   # float64 inside, same upstream draw
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_variants_flag_selects_decay_variants(capsys):
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--variants", "delta"]) == 0
+    out = capsys.readouterr().out
+    assert " delta " in out and "retention" not in out and "ungated" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "delta"])

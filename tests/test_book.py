@@ -177,6 +177,21 @@ def test_bibliography_exists_and_keys_are_unique():
     assert not dupes, f"duplicate keys in references.bib: {dupes}"
 
 
+def test_bibliography_parses_strictly():
+    """Every entry is well formed (a missing brace would merge two entries and lose one)."""
+    pybtex_database = pytest.importorskip("pybtex.database")
+    from pybtex import errors
+
+    errors.set_strict_mode(True)
+    try:
+        db = pybtex_database.parse_file(str(BIB))
+    finally:
+        errors.set_strict_mode(False)
+    assert sorted(db.entries.keys()) == sorted(_bib_keys())
+    for key, entry in db.entries.items():
+        assert entry.fields.get("title") and entry.fields.get("year"), f"{key}: needs a title and a year"
+
+
 def test_citation_regex_self_check():
     text = "see {cite}`a2020x` and {cite:t}`b, c_d` or {cite:p}`e-f,g:h` but not `{cite}` alone"
     assert _citations(text) == ["a2020x", "b", "c_d", "e-f", "g:h"]
@@ -295,11 +310,17 @@ def test_how_to_run_page_comes_first_and_is_linked_from_the_index():
 
 
 def _notation_rows() -> list[list[str]]:
+    """The body rows of every table on the notation page (the page may hold one table per
+    chapter group; each table's header row, the one above its ``|---|`` line, is left out)."""
+    lines = (ROOT / "chapters" / "notation.md").read_text(encoding="utf-8").splitlines()
     rows = []
-    for line in (ROOT / "chapters" / "notation.md").read_text(encoding="utf-8").splitlines():
-        if line.startswith("|") and not re.match(r"\|\s*-", line):
-            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-    return rows[1:]  # without the header
+    for i, line in enumerate(lines):
+        if not line.startswith("|") or re.match(r"\|\s*:?-", line):
+            continue
+        if i + 1 < len(lines) and re.match(r"\|\s*:?-", lines[i + 1]):
+            continue  # a header row
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
 
 
 def test_notation_gives_each_symbol_one_meaning():
@@ -357,3 +378,91 @@ def test_committed_figures_are_readable_at_column_width(path):
         f"{_rel(path)}: a figure {widest} px wide is shown at {column_px:.0f} px, its 9-pt text at "
         f"{smallest_pt:.1f} pt; use linattn.utils.book_figure (column width) and re-run the notebook"
     )
+
+
+# --------------------------------------------------------------------------- printed lines and figure captions
+
+# The book's text column shows about 80 characters of a code cell's output; longer lines are
+# clipped on the page (a reader loses their end) or wrapped in a notebook viewer.
+MAX_OUTPUT_LINE = 80
+
+
+def _output_lines(cell) -> list[str]:
+    """Every stored line a reader can see printed: stream text and text/plain results."""
+    lines = []
+    for out in cell.get("outputs", []):
+        texts = []
+        if out.get("output_type") == "stream":
+            texts.append(out.get("text", ""))
+        elif "text/plain" in out.get("data", {}):
+            texts.append(out["data"]["text/plain"])
+        for text in texts:
+            lines += ("".join(text) if isinstance(text, list) else text).splitlines()
+    return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
+def test_stored_output_lines_fit_the_column(path):
+    """Every stored output line, NBVAL_IGNORE_OUTPUT cells included, is at most 80 characters."""
+    long_lines = []
+    for i, cell in enumerate(_load(path)["cells"]):
+        if cell["cell_type"] == "code":
+            long_lines += [(i, len(line), line[:60] + "…") for line in _output_lines(cell)
+                           if len(line) > MAX_OUTPUT_LINE]
+    assert not long_lines, (
+        f"{_rel(path)}: {len(long_lines)} stored output lines are longer than {MAX_OUTPUT_LINE} "
+        f"characters (cell, length, start): {long_lines}")
+
+
+def test_output_line_check_self_check():
+    cell = {"outputs": [{"output_type": "stream", "text": ["ok\n", "x" * 81 + "\n"]},
+                        {"output_type": "execute_result", "data": {"text/plain": "y" * 80}},
+                        {"output_type": "display_data", "data": {"image/png": "z" * 200}}]}
+    assert [len(line) for line in _output_lines(cell)] == [2, 81, 80]
+
+
+# An alt text that is only a file name (what Sphinx writes when a figure has none).
+FILE_NAME_RE = re.compile(r"^\S+\.(png|jpe?g|svg|gif|pdf)$", re.I)
+
+
+def _image_cells(nb) -> list[tuple[int, dict]]:
+    return [(i, c) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+            and any(mime.startswith("image/") for o in c.get("outputs", []) for mime in o.get("data", {}))]
+
+
+def _figure_problems(index: int, cell: dict) -> list[str]:
+    """What a figure cell lacks: myst-nb's figure caption and name, and the image's alt text."""
+    meta = cell.get("metadata", {}).get("mystnb", {})
+    figure, image = meta.get("figure", {}), meta.get("image", {})
+    problems = []
+    if not str(figure.get("caption", "")).strip():
+        problems.append(f"cell {index}: no metadata.mystnb.figure.caption")
+    if not str(figure.get("name", "")).startswith("fig-"):
+        problems.append(f"cell {index}: metadata.mystnb.figure.name is not 'fig-…' (got {figure.get('name')!r})")
+    alt = str(image.get("alt", "")).strip()
+    if not alt or FILE_NAME_RE.match(alt):
+        problems.append(f"cell {index}: metadata.mystnb.image.alt is empty or a file name ({alt!r})")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
+def test_every_figure_has_a_caption_and_alt_text(path):
+    """A cell that outputs an image carries, in its metadata, the caption myst-nb puts under the
+    figure, a figure name to refer to it by, and the alt text a screen reader reads instead."""
+    problems = [p for i, cell in _image_cells(_load(path)) for p in _figure_problems(i, cell)]
+    assert not problems, f"{_rel(path)}: " + "; ".join(problems)
+
+
+def test_figure_names_are_unique_in_the_book():
+    names = [c["metadata"]["mystnb"]["figure"]["name"] for path in NOTEBOOKS for _, c in _image_cells(_load(path))
+             if c.get("metadata", {}).get("mystnb", {}).get("figure", {}).get("name")]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    assert not dupes, f"figure names used more than once (the build fails on them): {dupes}"
+
+
+def test_figure_check_self_check():
+    good = {"metadata": {"mystnb": {"figure": {"caption": "A caption.", "name": "fig-x"},
+                                    "image": {"alt": "A line that rises."}}}}
+    assert _figure_problems(0, good) == []
+    bad = {"metadata": {"mystnb": {"image": {"alt": "3f2a9c.png"}}}}
+    assert len(_figure_problems(0, bad)) == 3

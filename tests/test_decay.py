@@ -563,11 +563,11 @@ def test_bad_inputs_raise_informative_errors(variant, args, kwargs, error, messa
 def test_decay_benchmark_runs_and_formats():
     """Tiny sizes, no timing assertions: the rows, the table and the CLI flag."""
     rows = bench.run_decay_benchmark([12], heads=2, head_dim=4, chunk_size=8, repeats=1, warmup=0)
-    assert [(r["variant"], r["method"]) for r in rows] == [
+    assert [(r["variant"], r["method"]) for r in rows] == [("ungated", "chunk")] + [
         (v, m) for v in bench.DECAY_VARIANTS for m in ("chunk", "recurrent")]
     assert all(r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["seq_len"] == 12 for r in rows)
     table = bench.format_decay_table(rows)
-    for word in ("retention", "gla", "delta", "fwd rec/chunk", "f+b rec/chunk"):
+    for word in ("retention", "gla", "delta", "fwd rec/chunk", "f+b rec/chunk", "f+b / ungated"):
         assert word in table
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -60,3 +60,26 @@ def test_the_command_line_lists_the_studies():
     out = subprocess.run([sys.executable, "-m", "linattn.experiments"], capture_output=True, text=True, check=True)
     for name in experiments.STUDIES:
         assert name in out.stdout
+
+
+def test_a_second_phase_reuses_identical_cells_of_the_first(toy, tmp_path, monkeypatch):
+    first = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
+    mod = experiments.study(toy)
+    monkeypatch.setattr(mod, "REUSE_FROM", str(tmp_path / "toy.json"), raising=False)
+    monkeypatch.setattr(mod, "grid", lambda: [{"seed": 1, "n": 5}, {"seed": 7, "n": 3}])
+    ran = []
+    real = mod.run_cell
+    monkeypatch.setattr(mod, "run_cell", lambda cell: ran.append(cell) or real(cell))
+    second = experiments.run_study(toy, out=tmp_path / "toy2.json", progress=None)
+    assert ran == [{"seed": 7, "n": 3}]                                   # only the new cell trained
+    reused, new = second["rows"]
+    assert reused["result"] == first["rows"][3]["result"] and reused["reused_from"]["study"].endswith("toy.json")
+    assert "reused_from" not in new and new["cell"] == {"seed": 7, "n": 3}
+    assert new["result"] == real({"seed": 7, "n": 3})
+
+
+def test_provenance_is_taken_when_the_cells_start(toy, tmp_path, monkeypatch):
+    commits = iter(["aaa", "bbb"])
+    monkeypatch.setattr(experiments, "_git_commit", lambda: next(commits))
+    doc = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
+    assert doc["provenance"]["commit"] == "aaa" and doc["provenance"]["commit_at_end"] == "bbb"

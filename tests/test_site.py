@@ -8,7 +8,9 @@ system's Chromium, driven by Playwright. For each page it checks:
 * no JavaScript console errors, no uncaught exceptions and no HTTP error responses (one
   exception, explained where it is allowed: the browser's report of an external request
   this test refused, since it runs offline);
-* every image has loaded (``complete`` and a non-zero ``naturalWidth``);
+* every image has loaded (``complete`` and a non-zero ``naturalWidth``), has an alt text that
+  is not its file name, and, if it belongs to the page's content, sits in a figure with a
+  caption (checked page by page, one test per page of the toc);
 * every math expression (``span.math``/``div.math``) is typeset by MathJax (CHTML output),
   with no MathJax error and no undefined macro, and no raw TeX delimiters left in the
   visible text;
@@ -186,9 +188,17 @@ PROBE_JS = r"""
     title: document.title,
     // Sphinx declares DOCUMENTATION_OPTIONS with `const`: a global binding, not a window property.
     pagename: (typeof DOCUMENTATION_OPTIONS !== 'undefined' && DOCUMENTATION_OPTIONS.pagename) || null,
-    images: Array.from(document.images).map((img) => ({
-      src: img.currentSrc || img.src, complete: img.complete, naturalWidth: img.naturalWidth,
-      alt: img.alt })),
+    images: Array.from(document.images).map((img) => {
+      const figure = img.closest('figure');
+      const caption = figure ? figure.querySelector('figcaption') : null;
+      return {
+        src: img.currentSrc || img.src, complete: img.complete, naturalWidth: img.naturalWidth,
+        alt: img.getAttribute('alt'),
+        // A figure of the page's own content, inside the theme's <article> (not the icons of
+        // its header bar, such as the launch menu's Colab logo): it needs a caption.
+        inArticle: !!img.closest('article'),
+        caption: caption ? caption.textContent.trim() : null };
+    }),
     math: {
       mathjax: mj && mj.version ? mj.version : null,
       output: mj && mj.startup && mj.startup.output ? mj.startup.output.name : null,
@@ -592,6 +602,39 @@ def _math_problems(crawl) -> list[str]:
     return problems
 
 
+# An alt text that is only a file name or path: what Sphinx writes for a figure without one.
+FILE_NAME_ALT_RE = re.compile(r"^\S+\.(png|jpe?g|svg|gif|pdf)$", re.I)
+
+
+def _figure_text_problems(rel: str, r: dict) -> list[str]:
+    """Images of a page without a useful alt text, and content images without a caption."""
+    problems = []
+    for img in r["images"]:
+        alt = (img["alt"] or "").strip()
+        if not alt or FILE_NAME_ALT_RE.match(alt):
+            problems.append(f"{rel}: image {img['src']} has the alt text {img['alt']!r} (empty or a file name)")
+        if img["inArticle"] and not img["caption"]:
+            problems.append(f"{rel}: figure {img['src']} (alt {alt[:50]!r}) has no caption")
+    return problems
+
+
+def _toc_pages() -> list[str]:
+    try:
+        return [f"{f}.html" for f in _toc_files()]
+    except Exception:  # a broken toc fails test_site_summary; collection must not break here
+        return []
+
+
+@pytest.mark.parametrize("page", _toc_pages())
+def test_every_figure_has_alt_text_and_a_caption(crawl, page):
+    """Every <img> has an alt text that describes it (not its file name); every figure of the
+    page's content sits in a <figure> with a caption (myst-nb's mystnb.figure / mystnb.image
+    cell metadata, see tests/test_book.py)."""
+    assert page in crawl["results"], f"{page} is in _toc.yml but not a page of the build"
+    problems = _figure_text_problems(page, crawl["results"][page])
+    assert not problems, "\n".join(problems)
+
+
 def test_every_image_loaded(crawl):
     problems = _image_problems(crawl)
     assert not problems, "\n".join(problems)
@@ -663,6 +706,8 @@ Error: <span class="math notranslate nohighlight">\(\frac{1}\)</span>.
 Undefined: <span class="math notranslate nohighlight">\(\undefinedmacro{x}\)</span>.
 Left raw: <span class="mathjax_ignore">\(y\)</span> and $\beta_1$.</p>
 <img alt="ok" src="ok.svg"><img alt="missing" src="missing.png">
+<article><figure><img alt="A black square" src="ok.svg"><figcaption>A square.</figcaption></figure>
+<img alt="_images/ok.svg" src="ok.svg"></article>
 <a href="#top">ok anchor</a> <a href="ok.html#here">ok cross-page anchor</a>
 <a href="#nowhere">bad anchor</a> <a href="gone.html">bad page</a> <a href="ok.html#absent">bad cross-page anchor</a>
 <a href="https://example.org/x">external</a> <a href="https://exa mple.org/x">malformed</a>
@@ -697,6 +742,9 @@ def test_the_checks_catch_a_broken_page(browser_tools, tmp_path):
     assert crawl["blocked"] == ["https://example.org/tracker.js"]
     images = _image_problems(crawl)
     assert len(images) == 1 and "missing.png" in images[0], images
+    figures = _figure_text_problems("broken.html", crawl["results"]["broken.html"])
+    assert len(figures) == 2 and all("_images/ok.svg" in p for p in figures), figures
+    assert "(empty or a file name)" in figures[0] and "has no caption" in figures[1], figures
     math = "\n".join(_math_problems(crawl))
     assert r"MathJax error: 'Missing argument for \\frac'" in math, math
     assert r"MathJax error: 'undefined macro \\undefinedmacro" in math, math

@@ -212,3 +212,44 @@ def test_cpu_tensors_without_interpreter_raise(tk, monkeypatch):
     (phi_q, phi_k, v, S0), _, _ = _inputs(4)
     with pytest.raises(ValueError, match="CUDA tensors.*TRITON_INTERPRET=1"):
         tk.chunk_linear_attention_triton(phi_q, phi_k, v, S0, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_with_a_float32_output(tk, dtype):
+    """out_dtype=float32: half features and values in, float32 sums out (and a float32 upstream
+    gradient in the backward): within float32 rounding of the float64 twin on the same inputs."""
+    inputs, d_out, d_S = _inputs(40, dtype=dtype)
+    fn = lambda *a: tk.chunk_linear_attention_triton(*a, out_dtype=torch.float32)  # noqa: E731
+    got = _run(fn, *inputs, 16, d_out.float(), d_S)
+    exact = _run(chunk_linear_attention, *inputs, 16, d_out.float(), d_S, dtype=torch.float64)
+    expected_dtypes = (torch.float32, torch.float32, dtype, dtype, dtype, torch.float32)
+    half_tol = 2e-3 if dtype == torch.float16 else 1.6e-2           # input grads: one rounding to dtype
+    for name, a, c, want in zip(NAMES, got, exact, expected_dtypes):
+        assert a.dtype == want, f"{name}: dtype {a.dtype}, expected {want}"
+        _assert_rel(a, c, 1e-5 if want == torch.float32 else half_tol, name)
+    with pytest.raises(TypeError, match="out_dtype"):
+        tk.chunk_linear_attention_triton(*inputs, 16, out_dtype=torch.float64)
+
+
+def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch):
+    """The dispatch for float16 inputs: features and values read in float16, the normaliser kept
+    in float32 (it passes 65504 here: T = 2048, elu+1 features of D = 16), output rounded once."""
+    from linattn import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 2048, 16, generator=g).to(_device(), torch.float16) for _ in range(3))
+    exact = linattn.linear_attention(q.double(), k.double(), v.double(), causal=True)
+    monkeypatch.setattr(attention, "_fused_kernel_applies", lambda phi_q, chunk_size: True)
+    monkeypatch.setattr(attention, "_FUSED_KERNEL_FAILURE", [])
+    calls = []
+    real = tk.chunk_linear_attention_triton
+
+    def spy(*args, **kwargs):
+        calls.append((args[0].dtype, kwargs.get("out_dtype")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(vars(linattn.kernels), "chunk_linear_attention_triton", spy)
+    out = linattn.linear_attention(q, k, v, causal=True, chunk_size=64)
+    assert calls == [(torch.float16, torch.float32)] and out.dtype == torch.float16
+    assert out.isfinite().all() and not attention._FUSED_KERNEL_FAILURE
+    _assert_rel(out, exact, 4e-3, "float16 output")          # features and output rounded to float16

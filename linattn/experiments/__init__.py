@@ -141,6 +141,10 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
     dict
         The results document (``study``, ``description``, ``command``, ``grid_size``,
         ``provenance``, ``started``, ``elapsed_s``, ``rows``, and ``summary`` if the study has one).
+        ``provenance`` is taken when the cells start (``commit_at_end`` is added if the checkout
+        moved while they ran). A study with a ``REUSE_FROM`` attribute (a study name or a
+        results path) copies the rows of that results file whose cell is identical to one of its
+        own, marked ``reused_from``, instead of running them again.
 
     Raises
     ------
@@ -156,26 +160,33 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
         if not (0 <= i < len(grid)):
             raise ValueError(f"cell index {i} is out of range for study {name!r} with {len(grid)} cells")
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    prov = provenance(threads=1)                 # the code as it was when the cells started
     t0 = time.perf_counter()
     todo = [grid[i] for i in chosen]
-    rows: list[dict] = []
-    if workers == 1:
-        for row in _iter_rows(name, todo, progress):
-            rows.append(row)
+    reused = _reusable_rows(mod, todo)
+    run = [c for c in todo if _cell_key(c) not in reused]
+    fresh: dict[str, dict] = {}
+    if workers == 1 or len(run) <= 1:
+        for row in _iter_rows(name, run, progress):
+            fresh[_cell_key(row["cell"])] = row
     else:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         with ctx.Pool(workers) as pool:
-            for batch in pool.imap(_worker, [(_module_path(name), [c]) for c in todo]):
+            for batch in pool.imap(_worker, [(_module_path(name), [c]) for c in run]):
                 for row in batch:
-                    rows.append(row)
+                    fresh[_cell_key(row["cell"])] = row
                     if progress is not None:
-                        progress(_progress_line(len(rows), len(todo), row))
+                        progress(_progress_line(len(fresh), len(run), row))
+    rows = [reused.get(_cell_key(c)) or fresh[_cell_key(c)] for c in todo]
+    end_commit = _git_commit()
+    if end_commit != prov["commit"]:
+        prov["commit_at_end"] = end_commit
     doc = {"study": name, "description": getattr(mod, "DESCRIPTION", ""),
            "command": "python -m linattn.experiments " + name + (f" --workers {workers}" if workers > 1 else ""),
            "grid_size": len(grid), "cells_run": chosen if cells is not None else "all",
-           "provenance": provenance(threads=1), "started": started,
+           "provenance": prov, "started": started,
            "elapsed_s": round(time.perf_counter() - t0, 1), "rows": rows}
     if hasattr(mod, "summarise") and cells is None:
         doc["summary"] = mod.summarise(rows)
@@ -186,6 +197,35 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     return doc
+
+
+def _cell_key(cell: dict) -> str:
+    return json.dumps(cell, sort_keys=True)
+
+
+def _reusable_rows(mod, cells: list[dict]) -> dict:
+    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell.
+
+    A phase-2 study (best learning rate, more seeds) repeats its phase-1 sweep's seed-0 cell at
+    the best rate exactly; every cell is deterministic (fixed seed, one thread), so the phase-1
+    row is that cell's result and is copied, marked ``reused_from`` with the sweep's commit,
+    rather than trained twice. Nothing is reused when the sweep has no results file.
+    """
+    source = getattr(mod, "REUSE_FROM", None)
+    if source is None:
+        return {}
+    try:
+        doc = load_results(source)
+    except FileNotFoundError:
+        return {}
+    wanted = {_cell_key(c) for c in cells}
+    out = {}
+    for row in doc["rows"]:
+        key = _cell_key(row["cell"])
+        if key in wanted and key not in out:
+            out[key] = dict(row, reused_from={"study": source,
+                                              "commit": doc.get("provenance", {}).get("commit")})
+    return out
 
 
 def _worker(args):

@@ -3,7 +3,11 @@
 Multi-query associative recall (Arora et al., 2023) as a next-token task for a whole
 :class:`~linattn.TransformerLM`: nothing is hard-wired, so a model must find for itself that a
 value belongs to the key *before* it (by attending to the previous token: a short convolution,
-positions, or two layers). The keys come from a vocabulary of 4× the largest number of pairs.
+positions, or two layers). 64 keys and 64 values (the vocabulary of
+:func:`~linattn.tasks.multi_query_associative_recall`'s default), trained on 4, 8 and 16 pairs
+in turn and evaluated up to 32, in batches of 64. An earlier version (256 keys, up to 32 pairs,
+batches of 32, 600 steps) taught no model the lookup on this budget: the best of its sweep
+recalled 22 % of 4 pairs.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ import torch.nn.functional as F
 from ..layers import TransformerLM
 from ..tasks import multi_query_associative_recall, recall_accuracy
 
-TRAIN_PAIRS = (4, 8, 16, 32)
-EVAL_PAIRS = (4, 8, 16, 32, 64)
-VOCAB = 1 + 2 * 4 * max(EVAL_PAIRS)          # padding, 256 keys, 256 values
+TRAIN_PAIRS = (4, 8, 16)
+EVAL_PAIRS = (4, 8, 16, 32)
+KEYS = 64
+VOCAB = 1 + 2 * KEYS                          # padding, 64 keys, 64 values
+BATCH_SIZE = 64
 EVAL_EXAMPLES = 256
 
 
@@ -26,7 +32,8 @@ def build(model_kwargs: dict, seed: int) -> TransformerLM:
     return TransformerLM(VOCAB, **model_kwargs)
 
 
-def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = 32, warmup: int = 20) -> list:
+def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = BATCH_SIZE,
+          warmup: int = 20) -> list:
     """AdamW with warm-up and cosine decay; the number of pairs cycles through TRAIN_PAIRS."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -27,6 +27,7 @@ MODELS = {
 LRS = (3e-3, 1e-2, 3e-2)
 STEPS = 500
 SEEDS = (0, 1, 2)
+REUSE_FROM = "modern_lm_sweep"     # its seed-0 cell at the best rate is a sweep cell
 CHECK_STEPS = 40
 
 

@@ -4,8 +4,8 @@ Chapter 8's character model (2 layers, d_model 64, 4 heads, tiny Shakespeare, wi
 batches of 32) with linear (elu+1) or softmax attention, and positions ``"learned"`` (a table of
 128), ``"rope"`` (for linear attention as RoFormer applies it: rotated in the numerator only)
 or ``"none"``. Every configuration at three learning rates and three seeds for chapter 8's
-budget of 400 steps, and, as a check that the ranking holds, five times that budget at one
-learning rate and seed. The result of a cell is the validation loss (overall and per position).
+budget of 400 steps, and, as a check that the ranking holds, the linear model (the one whose
+default is in question) at five times that budget at one learning rate and seed. The result of a cell is the validation loss (overall and per position).
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ LONG_STEPS = 5 * STEPS
 def grid() -> list[dict]:
     cells = [dict(attention=a, positions=p, lr=lr, seed=s, steps=STEPS)
              for a in ("linear", "softmax") for p in SCHEMES for lr in LRS for s in SEEDS]
-    cells += [dict(attention=a, positions=p, lr=1e-2, seed=0, steps=LONG_STEPS)
-              for a in ("linear", "softmax") for p in SCHEMES]
+    cells += [dict(attention="linear", positions=p, lr=1e-2, seed=0, steps=LONG_STEPS) for p in SCHEMES]
     return cells
 
 

@@ -21,8 +21,10 @@ MODELS = {
 }
 BASE = dict(d_model=64, n_layers=2, n_heads=4, chunk_size=32)
 LRS = (1e-3, 3e-3, 1e-2)
-STEPS = 600
+STEPS = 1000
 SEEDS = (0, 1, 2)
+LONG_MODELS = tuple(MODELS)          # every model once at 5x the budget
+REUSE_FROM = "recall_conv_sweep"   # its seed-0 cell at the best rate is a sweep cell
 CHECK_STEPS = 40        # a short cell for the chapter to re-run under nbval
 
 
@@ -44,7 +46,7 @@ def best_lrs(sweep: dict) -> dict:
 def grid() -> list[dict]:
     lrs = best_lrs(load_results("recall_conv_sweep"))
     cells = [dict(model=m, lr=lrs[m], seed=s, steps=STEPS) for m in MODELS for s in SEEDS]
-    cells += [dict(model=m, lr=lrs[m], seed=0, steps=5 * STEPS) for m in MODELS]
+    cells += [dict(model=m, lr=lrs[m], seed=0, steps=5 * STEPS) for m in LONG_MODELS]
     cells.append(dict(model="gated delta + conv", lr=lrs["gated delta + conv"], seed=0, steps=CHECK_STEPS))
     return cells
 

@@ -1,13 +1,18 @@
-"""Optional fused GPU kernels (Triton), each with a pure-PyTorch twin that is its test oracle.
+"""Optional fused kernels, each with a pure-PyTorch twin that is its test oracle.
 
-=================================  ==============================================
+=================================  ====================================================
 fast path                          twin (reference)
-=================================  ==============================================
+=================================  ====================================================
 ``chunk_linear_attention_triton``  :func:`linattn.ops.linear.chunk_linear_attention`
-=================================  ==============================================
+  (GPU, Triton)
+``causal_linear_attention_cpu``    :func:`linattn.ops.linear.chunkwise_linear_attention`
+  (CPU, C++ built on first use)
+=================================  ====================================================
 
-Importing this package never imports Triton: ``import linattn`` works without it.
-Triton is imported on first use of a kernel, or by :func:`triton_available`.
+Importing this package never imports Triton and never compiles anything: ``import linattn``
+works without either. Triton is imported on first use of its kernel, or by
+:func:`triton_available`; the CPU kernel (:mod:`linattn.kernels.cpu`) is built by the system's
+C++ compiler on its first use, or by :func:`linattn.kernels.cpu.cpu_kernel_available`.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["triton_available", "chunk_linear_attention_triton"]
+__all__ = ["triton_available", "chunk_linear_attention_triton", "causal_linear_attention_cpu"]
 
 
 def triton_available() -> bool:
@@ -43,4 +48,8 @@ def __getattr__(name: str):
         from .triton_chunk import chunk_linear_attention_triton
 
         return chunk_linear_attention_triton
+    if name == "causal_linear_attention_cpu":
+        from .cpu import causal_linear_attention_cpu
+
+        return causal_linear_attention_cpu
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -256,12 +256,12 @@ def _on(device: torch.device):
 
 
 def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
-             chunk_size: int) -> tuple[Tensor, Tensor]:
+             chunk_size: int, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     cfg = _Config(phi_k, v, chunk_size)
     B, H = v.shape[:2]
     S = v.new_empty(B, H, cfg.M, cfg.DV, dtype=torch.float32)              # (B, H, M, Dv)
     states = _scan(cfg, phi_k, v, S0, S, reverse=False)                    # (B·H, N, M, Dv)
-    out = torch.empty_like(v)                                              # (B, H, T, Dv)
+    out = torch.empty_like(v, dtype=out_dtype or v.dtype)                  # (B, H, T, Dv)
     _output_kernel[(cfg.BH, cfg.NT, cfg.NV)](phi_q, phi_k, v, states, out, **cfg.sizes())
     return out, S
 
@@ -273,12 +273,12 @@ class _ChunkLinearAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, v, S0, chunk_size):
+    def forward(ctx, phi_q, phi_k, v, S0, chunk_size, out_dtype=None):
         ctx.set_materialize_grads(False)
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(phi_q, phi_k, v, S0)
         with _on(v.device):
-            return _forward(phi_q, phi_k, v, S0, chunk_size)
+            return _forward(phi_q, phi_k, v, S0, chunk_size, out_dtype)
 
     @staticmethod
     @once_differentiable
@@ -293,7 +293,9 @@ def _backward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor]
     """Gradients for the inputs that need them: the reverse scan, then dQ, dK and dV by chunk."""
     need_q, need_k, need_v, need_S0 = ctx.needs_input_grad[:4]
     cfg = _Config(phi_k, v, ctx.chunk_size)
-    d_out = torch.zeros_like(v) if d_out is None else d_out.to(v.dtype).contiguous()
+    # The upstream gradient keeps its dtype (a float32 one for a float32 output): the kernels
+    # read every operand as float32.
+    d_out = torch.zeros_like(v) if d_out is None else d_out.contiguous()
     d_S = None if d_S is None else d_S.float().contiguous()
     dS0 = torch.empty_like(S0, dtype=torch.float32) if need_S0 else None
     grads = _scan(cfg, phi_q, d_out, d_S, dS0, reverse=True)          # G_c, (B·H, N, M, Dv)
@@ -307,11 +309,12 @@ def _backward(ctx, phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor]
         dv = torch.empty_like(v)
         _dv_kernel[(cfg.BH, cfg.NT, cfg.NV)](phi_q, phi_k, d_out, grads, dv, **cfg.sizes())
     return (dq if need_q else None, dk if need_k else None, dv,
-            dS0.to(S0.dtype) if need_S0 else None, None)
+            dS0.to(S0.dtype) if need_S0 else None, None, None)
 
 
 def chunk_linear_attention_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
-                                  chunk_size: int) -> tuple[Tensor, Tensor]:
+                                  chunk_size: int, *, out_dtype: Optional[torch.dtype] = None
+                                  ) -> tuple[Tensor, Tensor]:
     """Causal linear attention on features, chunk by chunk, as fused Triton kernels.
 
     Computes exactly what :func:`linattn.ops.linear.chunk_linear_attention` computes (see the
@@ -330,11 +333,16 @@ def chunk_linear_attention_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: O
         float32); None means zeros.
     chunk_size : int
         Tokens per chunk ``C``, a power of two ``>= 16``; ``T`` need not be a multiple of it.
+    out_dtype : torch.dtype, optional
+        The dtype of ``out``: the inputs' (the default) or ``torch.float32``. Half inputs with
+        a float32 output keep the accumulated sums unrounded: ``linear_attention`` asks for it,
+        since the normaliser column passes float16's largest value (65504) after about a
+        thousand tokens. The backward pass takes the upstream gradient in that dtype.
 
     Returns
     -------
     out : Tensor
-        ``(B, H, T, Dv)`` in the input dtype: ``Σ_{j<=i} φ(q_i)ᵀφ(k_j) v_j + φ(q_i)ᵀS0``,
+        ``(B, H, T, Dv)`` in ``out_dtype``: ``Σ_{j<=i} φ(q_i)ᵀφ(k_j) v_j + φ(q_i)ᵀS0``,
         accumulated in float32.
     S : Tensor
         ``(B, H, M, Dv)`` float32, the state after the last token.
@@ -352,7 +360,9 @@ def chunk_linear_attention_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: O
     _check_inputs(phi_q, phi_k, v, S0, chunk_size)
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
     S0 = S0.contiguous() if S0 is not None else None
-    return _ChunkLinearAttention.apply(phi_q, phi_k, v, S0, chunk_size)
+    if out_dtype not in (None, torch.float32, phi_q.dtype):
+        raise TypeError(f"out_dtype must be None, torch.float32 or the inputs' dtype, got {out_dtype}")
+    return _ChunkLinearAttention.apply(phi_q, phi_k, v, S0, chunk_size, out_dtype)
 
 
 def _check_inputs(phi_q, phi_k, v, S0, chunk_size) -> None:

@@ -1,0 +1,6 @@
+"""``python -m linattn.bench``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+"""``python -m linattn.bench``: the command line of the benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS
+from .report import format_decay_table, format_table, machine_info, plot_results
+from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_SEQ_LENS, DTYPES, _resolve_device,
+                  run_benchmark, run_decay_benchmark)
+from .timing import pinned_threads
+
+__all__ = ["build_parser", "main"]
+
+
+def _arg_number(convert: type, minimum: float, strict: bool, what: str) -> Callable[[str], float]:
+    """An argparse ``type``: ``convert(text)``, which must be above (or at) ``minimum``."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > minimum if strict else value >= minimum):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _arg_number(int, 0, True, "a positive integer")
+_non_negative_int = _arg_number(int, 0, False, "a non-negative integer")
+_positive_float = _arg_number(float, 0.0, True, "a positive number")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m linattn.bench``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m linattn.bench",
+        description="Benchmark causal attention: softmax (SDPA) against linear attention's forms and "
+                    f"baselines ({', '.join(METHODS[1:])}), repetitions interleaved, medians and spreads. "
+                    "Prints a table; optionally writes JSON and a PNG.",
+        epilog="Example: python -m linattn.bench --device cpu --threads 1 --seq-lens 1024 4096 --heads 8 "
+               "--methods baseline_chunk compiled_baseline chunk chunk_cpu --json out.json",
+    )
+    add = parser.add_argument
+    add("--device", choices=("cpu", "cuda"), default=None,
+        help="where to run (default: cuda if available, else cpu)")
+    add("--dtype", choices=tuple(DTYPES), default="float32", help="input dtype (default: %(default)s)")
+    add("--seq-lens", type=_positive_int, nargs="+", default=None, metavar="T",
+        help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQ_LENS))})")
+    add("--batch", type=_positive_int, default=1, help="batch size B (default: %(default)s)")
+    add("--heads", type=_positive_int, default=4, help="heads H (default: %(default)s)")
+    add("--head-dim", type=_positive_int, default=64, help="head dimension D = Dv (default: %(default)s)")
+    add("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
+        help=f"methods to run, out of: {', '.join(METHODS)} (default: all but compiled_baseline)")
+    add("--reference", choices=METHODS, default="chunk",
+        help="the method the ratio columns divide by (default: %(default)s)")
+    add("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
+        help="chunk size C of the chunkwise methods (default: %(default)s)")
+    add("--repeats", type=_positive_int, default=5, help="timed rounds per measurement (default: %(default)s)")
+    add("--warmup", type=_non_negative_int, default=1, help="untimed calls first (default: %(default)s)")
+    add("--no-backward", action="store_true", help="time the forward pass only")
+    add("--max-memory-gb", type=_positive_float, default=None, metavar="GB",
+        help="skip a cell whose predicted peak memory exceeds this; inf: no limit (default: half the "
+             "device's memory)")
+    add("--seed", type=_non_negative_int, default=0, help="seed of the random inputs (default: %(default)s)")
+    add("--json", metavar="PATH", help="write metadata and raw results (every repetition) as JSON")
+    add("--plot", metavar="PATH", help="save a PNG of time and memory against T (matplotlib)")
+    add("--threads", type=_positive_int, default=None, metavar="N",
+        help="torch.set_num_threads(N) for the run (default: torch's own default); pin it on a "
+             "shared machine, where unpinned threads make the ratios meaningless")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("--decay", action="store_true",
+        help="instead: time the chunk and recurrent forms of the decay family (retention, GLA, the delta rule, "
+             "the gated delta rule) against the ungated update; --seq-lens defaults to "
+             f"{' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, --methods, --reference, --max-memory-gb and "
+             "--plot do not apply (and are refused)")
+    add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
+        help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``python -m linattn.bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    0 when every cell that could run ran (skipped and unavailable cells are fine), 1 when
+    a cell failed (the table, JSON and plot are written all the same). Bad flags exit with
+    argparse's usage message and status 2.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.decay:
+        for flag, value in (("--methods", args.methods), ("--max-memory-gb", args.max_memory_gb),
+                            ("--plot", args.plot),
+                            ("--reference", None if args.reference == "chunk" else args.reference)):
+            if value is not None:
+                parser.error(f"{flag} does not apply to --decay")
+    elif args.variants is not None:
+        parser.error("--variants applies to --decay only")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{flag}: the folder of {path!r} does not exist")
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401  (only checked here: imported when plotting)
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
+
+    device = _resolve_device(args.device)
+    with pinned_threads(args.threads):
+        if args.decay:
+            return _main_decay(args, device, argv)
+        return _main_attention(args, device, argv)
+
+
+def _write_json(path: str, metadata: dict, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"metadata": metadata, "results": results}, f, indent=1)
+        f.write("\n")
+    print(f"\nwrote {path}")
+
+
+def _main_attention(args: argparse.Namespace, device: torch.device, argv: Optional[Sequence[str]]) -> int:
+    """``python -m linattn.bench``: the table of :func:`run_benchmark` (and JSON, PNG)."""
+    methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
+    seq_lens = list(DEFAULT_SEQ_LENS) if args.seq_lens is None else args.seq_lens
+    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                    repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
+                    max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size, seed=args.seed)
+    results = run_benchmark(methods, seq_lens, **settings, progress=not args.no_progress)
+    print(format_table(results, reference=args.reference))
+    if args.json is not None:
+        metadata = machine_info(device)
+        metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},
+                        seq_lens=seq_lens, methods=list(dict.fromkeys(methods)), threads=args.threads,
+                        reference=args.reference, matmul_size=2048,
+                        matmul_gflops=results[0]["matmul_gflops"], max_memory_bytes=results[0]["max_memory_bytes"],
+                        command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
+        _write_json(args.json, metadata, results)
+    if args.plot is not None:
+        plot_results(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any(r["status"] == "failed" for r in results) else 0
+
+
+def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[Sequence[str]]) -> int:
+    """``python -m linattn.bench --decay``: the table of :func:`run_decay_benchmark` (and JSON)."""
+    seq_lens = args.seq_lens if args.seq_lens is not None else list(DEFAULT_DECAY_SEQ_LENS)
+    variants = list(DECAY_VARIANTS) if args.variants is None else args.variants
+    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                    chunk_size=args.chunk_size, repeats=args.repeats, warmup=args.warmup,
+                    backward=not args.no_backward, seed=args.seed)
+    results = run_decay_benchmark(seq_lens, variants=variants, **settings, progress=not args.no_progress)
+    print(format_decay_table(results))
+    if args.json is not None:
+        metadata = machine_info(device)
+        metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},
+                        seq_lens=seq_lens, variants=variants, threads=args.threads,
+                        command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
+        _write_json(args.json, metadata, results)
+    return 0

@@ -1,0 +1,476 @@
+"""Running the benchmarks: every (method, T) cell on the same seeded inputs, repetitions interleaved."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+from ..utils import default_device
+from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS, method_fn, unavailable
+from .costs import forward_flops, predict_memory
+from .timing import cpu_name, interleaved_times, matmul_gflops, paired_ratios, peak_memory, pinned_threads, summarise
+
+__all__ = ["DTYPES", "DEFAULT_SEQ_LENS", "run_benchmark", "DECAY_VARIANTS", "DEFAULT_DECAY_SEQ_LENS",
+           "run_decay_benchmark"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_SEQ_LENS = (256, 512, 1024)
+
+
+def run_benchmark(
+    methods: Sequence[str] = DEFAULT_METHODS,
+    seq_lens: Sequence[int] = DEFAULT_SEQ_LENS,
+    *,
+    device: Union[torch.device, str, None] = None,
+    dtype: Union[torch.dtype, str] = torch.float32,
+    batch: int = 1,
+    heads: int = 4,
+    head_dim: int = 64,
+    repeats: int = 5,
+    warmup: int = 1,
+    backward: bool = True,
+    max_memory_gb: Optional[float] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    seed: int = 0,
+    matmul_size: int = 2048,
+    threads: Optional[int] = None,
+    peers: Optional[dict] = None,
+    progress: bool = False,
+) -> list[dict]:
+    """Time and measure every (method, T) cell of causal attention on random inputs.
+
+    For each ``T`` in ``seq_lens``, q, k, v (``(B, H, T, D)``, ``D = Dv = head_dim``) and an
+    upstream gradient are drawn from a standard normal with a generator seeded by ``seed``
+    (the global RNG is left alone); every method then gets the same tensors. The methods of
+    one ``T`` are timed **interleaved** (:func:`linattn.bench.timing.interleaved_times`): after
+    ``warmup`` untimed calls of each, every one of ``repeats`` rounds calls each method once,
+    forward passes first, then forward+backward passes, and the float32 matmul yardstick
+    (:func:`linattn.bench.timing.matmul_gflops`'s product) is timed in the same rounds. Each
+    cell reports the median and the spread of its repetitions, and its speed relative to
+    the other methods as round-by-round ratios (see :func:`linattn.bench.format_table`).
+
+    A cell whose :func:`linattn.bench.predict_memory` exceeds ``max_memory_gb`` is not run and
+    marked ``"skipped"``; a method that cannot run here (``fused`` without CUDA and Triton,
+    ``chunk_cpu`` without a C++ compiler) is ``"unavailable"``; a cell that raises is
+    ``"failed"``, and the run goes on.
+
+    Parameters
+    ----------
+    methods : sequence of str
+        Names from :data:`linattn.bench.METHODS` (duplicates dropped), in this order.
+    seq_lens : sequence of int
+        Sequence lengths ``T``.
+    device : torch.device or str, optional
+        Default: CUDA when available, else CPU.
+    dtype : torch.dtype or str
+        float32, float16 or bfloat16 (the linear forms compute in float32 for half types).
+    batch, heads, head_dim : int
+        ``B``, ``H`` and ``D = Dv``.
+    repeats, warmup : int
+        Timed rounds and untimed calls per method.
+    backward : bool
+        Also time forward+backward; the memory pass is then forward+backward, else forward.
+    max_memory_gb : float, optional
+        Memory guard in GB (10⁹ bytes); None means half of the device's memory (CPU: the
+        machine's RAM), ``math.inf`` means no guard.
+    chunk_size : int
+        ``C`` of the chunkwise methods and of their FLOP count.
+    seed : int
+        Seed of the inputs.
+    matmul_size : int
+        Size of the float32 matmul timed as the yardstick.
+    threads : int, optional
+        ``torch.set_num_threads(threads)`` for the run (restored afterwards); None keeps the
+        current setting. Every row records the number used.
+    peers : dict of str to callable, optional
+        Further methods ``(q, k, v) -> out`` to time alongside (other libraries' kernels, for
+        instance); their FLOP count and memory estimate are those of the chunkwise form.
+    progress : bool
+        Show a tqdm progress bar (on stderr) over the sequence lengths.
+
+    Returns
+    -------
+    list of dict
+        One dict per cell, T-major, with keys ``method``, ``seq_len``, ``batch``, ``heads``,
+        ``head_dim``, ``chunk_size``, ``dtype``, ``device``, ``device_name`` (GPU or CPU model),
+        ``threads``, ``status`` (``"ok"``, ``"skipped"``, ``"unavailable"``, ``"failed"``),
+        ``note`` (why, if not ok), ``fwd_s`` and ``fwd_bwd_s`` (medians, seconds),
+        ``fwd_times`` and ``fwd_bwd_times`` (every repetition), ``fwd_spread`` and
+        ``fwd_bwd_spread`` (``(max − min) / median``), ``peak_memory_bytes``, ``memory_pass``,
+        ``predicted_memory_bytes``, ``max_memory_bytes`` (None: no guard), ``fwd_flops``,
+        ``fwd_gflops``, ``matmul_gflops`` (median of this T's rounds), ``matmul_spread`` and
+        ``matmul_fraction``. Numbers that were not measured are None.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Unknown methods or dtypes; non-positive sizes; ``repeats < 1``; ``warmup < 0``;
+        a non-positive ``max_memory_gb``; CUDA requested but not available; a peer that is
+        not callable or reuses a method's name.
+    """
+    device = _resolve_device(device)
+    dtype = _resolve_dtype(dtype)
+    methods = list(dict.fromkeys(methods))
+    for method in methods:
+        _check_method(method)
+    peers = dict(peers or {})
+    for name, fn in peers.items():
+        if not isinstance(name, str) or name in METHODS or not callable(fn):
+            raise ValueError(f"peers must map new names to callables (q, k, v) -> out, got {name!r}: {fn!r}")
+    if not methods and not peers:
+        raise ValueError("methods must name at least one method")
+    seq_lens = [_check_positive_int(T, "seq_lens entries") for T in seq_lens]
+    if not seq_lens:
+        raise ValueError("seq_lens must hold at least one sequence length")
+    for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"),
+                        (repeats, "repeats"), (chunk_size, "chunk_size"), (matmul_size, "matmul_size")):
+        _check_positive_int(value, name)
+    _check_warmup(warmup)
+    if threads is not None:
+        _check_positive_int(threads, "threads")
+    max_bytes = _memory_limit(max_memory_gb, device)
+    with pinned_threads(threads):
+        return _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeats, warmup, backward,
+                    max_bytes, chunk_size, seed, matmul_size, progress)
+
+
+def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeats, warmup, backward, max_bytes,
+         chunk_size, seed, matmul_size, progress) -> list[dict]:
+    shape = dict(batch=batch, heads=heads, head_dim=head_dim, chunk_size=chunk_size)
+    gen = torch.Generator().manual_seed(seed)
+    a, b = (torch.randn(matmul_size, matmul_size, generator=gen).to(device) for _ in range(2))
+    results = []
+    names = methods + list(peers)
+    for T in tqdm(seq_lens, disable=not progress, unit="T", desc="linattn.bench", file=sys.stderr):
+        q, k, v, grad_out = _inputs(batch, heads, T, head_dim, dtype, device, seed)
+        rows, fwd, fwd_bwd = {}, {}, {}
+        for name in names:
+            counted = name if name in METHODS else "chunk"
+            row = dict(method=name, seq_len=T, **shape, dtype=_dtype_name(dtype), device=str(device),
+                       device_name=_device_name(device), threads=torch.get_num_threads(), status="ok", note="",
+                       fwd_s=None, fwd_bwd_s=None, fwd_times=[], fwd_bwd_times=[], fwd_spread=None,
+                       fwd_bwd_spread=None, peak_memory_bytes=None, memory_pass="fwd+bwd" if backward else "fwd",
+                       predicted_memory_bytes=predict_memory(counted, T, dtype=dtype, **shape),
+                       max_memory_bytes=None if math.isinf(max_bytes) else int(max_bytes),
+                       fwd_flops=forward_flops(counted, T, **shape), fwd_gflops=None, matmul_gflops=None,
+                       matmul_spread=None, matmul_fraction=None)
+            rows[name] = row
+            why_not = None if name in peers else unavailable(name, device, chunk_size, dtype)
+            if why_not is not None:
+                row.update(status="unavailable", note=why_not)
+                continue
+            if row["predicted_memory_bytes"] > max_bytes:
+                row.update(status="skipped", note=f"predicted {row['predicted_memory_bytes'] / 1e9:.3g} GB "
+                                                  f"> limit {max_bytes / 1e9:.3g} GB")
+                continue
+            fn = peers[name] if name in peers else method_fn(name, chunk_size)
+            fwd[name], fwd_bwd[name] = _passes(fn, (q, k, v), grad_out)
+
+        def failed(name: str, err: BaseException) -> None:
+            message = str(err).strip().splitlines()
+            rows[name].update(status="failed", note=message[0][:200] if message else type(err).__name__)
+            fwd.pop(name, None)
+            fwd_bwd.pop(name, None)
+
+        if warmup == 0 and "compiled_baseline" in fwd:     # its first calls compile: never time those
+            for fns in (fwd, fwd_bwd) if backward else (fwd,):
+                if "compiled_baseline" in fns:
+                    interleaved_times({"compiled_baseline": fns["compiled_baseline"]}, repeats=1, warmup=0,
+                                      device=device, on_error=failed)
+        times = interleaved_times({"__matmul__": lambda: a @ b, **fwd}, repeats=repeats, warmup=warmup,
+                                  device=device, on_error=failed)
+        mm = [2 * matmul_size ** 3 / s / 1e9 for s in times.pop("__matmul__")]
+        if backward and fwd_bwd:
+            for name, seconds in interleaved_times(fwd_bwd, repeats=repeats, warmup=warmup, device=device,
+                                                   on_error=failed).items():
+                if rows[name]["status"] == "ok":
+                    rows[name]["fwd_bwd_times"] = seconds
+        for name, seconds in times.items():
+            if rows[name]["status"] == "ok":
+                rows[name]["fwd_times"] = seconds
+        for name in list(fwd):
+            row = rows[name]
+            if row["status"] != "ok":
+                continue
+            try:
+                row["peak_memory_bytes"] = peak_memory(fwd_bwd[name] if backward else fwd[name], device=device)
+            except Exception as err:  # noqa: BLE001
+                failed(name, err)
+        mm_summary = summarise(mm)
+        for name in names:
+            row = rows[name]
+            row.update(matmul_gflops=mm_summary["median"], matmul_spread=mm_summary["spread"])
+            if row["status"] != "ok":
+                continue
+            for key in ("fwd", "fwd_bwd"):
+                s = summarise(row[f"{key}_times"])
+                row[f"{key}_s"], row[f"{key}_spread"] = s["median"], s["spread"]
+            row["fwd_gflops"] = row["fwd_flops"] / row["fwd_s"] / 1e9
+            row["matmul_fraction"] = row["fwd_gflops"] / row["matmul_gflops"]
+            results.append(row)
+        results.extend(rows[name] for name in names if rows[name]["status"] != "ok")
+        results.sort(key=lambda r: (r["seq_len"], names.index(r["method"])))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        del q, k, v, grad_out
+    return results
+
+
+def _passes(fn: Callable, qkv: tuple[Tensor, Tensor, Tensor], grad_out: Tensor):
+    """The forward (under no_grad) and forward+backward calls of one method, as closures."""
+    def forward() -> None:
+        with torch.no_grad():
+            fn(*qkv)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(fn(*qkv), qkv, grad_out)
+
+    return forward, forward_backward
+
+
+def _inputs(B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
+            seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Seeded standard-normal q, k, v (leaves that require grad) and an upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, grad_out = (torch.randn(B, H, T, D, generator=gen).to(device=device, dtype=dtype)
+                         for _ in range(4))                                # (B, H, T, D)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad_out
+
+
+def ratio(results: Sequence[dict], method: str, reference: str, seq_len: int, key: str = "fwd_s") -> dict:
+    """Round-by-round ``time(method) / time(reference)`` at one ``T``: median, min and max (None if missing).
+
+    ``key`` is ``"fwd_s"`` or ``"fwd_bwd_s"``. Above 1: ``method`` takes longer, i.e. the
+    reference is that many times faster.
+    """
+    cells = {(r["method"], r["seq_len"]): r for r in results if r["status"] == "ok"}
+    a, b = cells.get((method, seq_len)), cells.get((reference, seq_len))
+    if a is None or b is None:
+        return {"median": None, "min": None, "max": None}
+    series = key.replace("_s", "_times")
+    return paired_ratios(a[series], b[series])
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_method(method) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+
+
+def _check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _check_warmup(warmup) -> None:
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise TypeError(f"warmup must be an int, got {type(warmup).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+
+
+def _resolve_device(device) -> torch.device:
+    device = default_device() if device is None else torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was requested but CUDA is not available")
+    return device
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def _memory_limit(max_memory_gb: Optional[float], device: torch.device) -> float:
+    """The guard in bytes: the given GB, or half the device's memory (inf when unknown)."""
+    if max_memory_gb is not None:
+        if isinstance(max_memory_gb, bool) or not isinstance(max_memory_gb, (int, float)):
+            raise TypeError(f"max_memory_gb must be a number or None, got {type(max_memory_gb).__name__}")
+        if not max_memory_gb > 0:
+            raise ValueError(f"max_memory_gb must be > 0, got {max_memory_gb}")
+        return max_memory_gb * 1e9
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        return math.inf
+
+
+# --------------------------------------------------------------------------- decay, gates, delta rule
+
+DECAY_VARIANTS = ("retention", "gla", "delta", "gated_delta", "gated_delta_channel")
+DEFAULT_DECAY_SEQ_LENS = (4096,)
+
+
+def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
+                  seed: int) -> tuple[Tensor, ...]:
+    """Seeded q, k, v (leaves that require grad) and the variant's decay argument.
+
+    retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/16``
+    (GLA's gate with temperature 16); delta: L2-normalised keys and ``β = sigmoid(x)``;
+    gated_delta (one gate per head) and gated_delta_channel (one per key channel): as delta, with
+    ``log_g = logsigmoid(x)/16``. The decay arguments are returned as a tuple.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, x = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))     # (B, H, T, D)
+    if variant == "retention":
+        extra = (1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float64)),)         # (H,)
+    elif variant == "gla":
+        extra = (F.logsigmoid(x) / 16,)                                          # (B, H, T, D)
+    else:
+        k = F.normalize(k, dim=-1)
+        beta = torch.sigmoid(x[..., 0])                                          # (B, H, T)
+        log_g = F.logsigmoid(x.flip(-1)) / 16                                    # (B, H, T, D)
+        extra = {"delta": (beta,), "gated_delta": (log_g[..., 0], beta),
+                 "gated_delta_channel": (log_g, beta)}[variant]
+    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+    extra = tuple(e.to(device=device, dtype=torch.float32 if variant == "retention" else dtype) for e in extra)
+    return q, k, v, extra
+
+
+def run_decay_benchmark(
+    seq_lens: Sequence[int] = DEFAULT_DECAY_SEQ_LENS,
+    *,
+    variants: Sequence[str] = DECAY_VARIANTS,
+    device: Union[torch.device, str, None] = None,
+    dtype: Union[torch.dtype, str] = torch.float32,
+    batch: int = 1,
+    heads: int = 4,
+    head_dim: int = 64,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repeats: int = 3,
+    warmup: int = 1,
+    backward: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+    threads: Optional[int] = None,
+) -> list[dict]:
+    """Time the decay family: chunk and recurrent forms, and the ungated update as the yardstick.
+
+    For each ``T``: the ungated update, ``linear_attention(q, k, v, feature_map=None,
+    normalize=False, causal=True)`` (variant ``"ungated"``, method ``"chunk"``), and for each
+    variant (``retention``: :func:`linattn.retention`, ``gla``:
+    :func:`~linattn.gated_linear_attention`, ``delta``: :func:`~linattn.delta_rule`,
+    ``gated_delta`` and ``gated_delta_channel``: :func:`~linattn.gated_delta_rule` with one gate
+    per head or per key channel) both ``method="chunk"`` and ``method="recurrent"``, on the same
+    seeded inputs (``D = Dv = head_dim``). All the calls of one ``T`` are timed interleaved
+    (:func:`linattn.bench.timing.interleaved_times`): the median forward time under
+    ``torch.no_grad`` and, with ``backward``, the median forward+backward time
+    (``autograd.grad`` w.r.t. q, k, v of the output against a seeded upstream gradient).
+
+    Parameters
+    ----------
+    seq_lens : sequence of int
+        Sequence lengths ``T``.
+    variants : sequence of str
+        Names from :data:`DECAY_VARIANTS`.
+    device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup, seed, progress
+        As in :func:`run_benchmark`.
+    backward : bool
+        Also time forward+backward.
+    threads : int, optional
+        ``torch.set_num_threads(threads)`` for the run (restored afterwards); None keeps the
+        current setting.
+
+    Returns
+    -------
+    list of dict
+        One dict per (T, variant, method), the ungated row first, with keys ``variant``,
+        ``method``, ``seq_len``, ``batch``, ``heads``, ``head_dim``, ``chunk_size``,
+        ``effective_chunk_size`` (``min(chunk_size, T)``), ``dtype``, ``device``, ``device_name``,
+        ``threads``, ``fwd_s`` and ``fwd_bwd_s`` (medians), ``fwd_times`` and ``fwd_bwd_times``,
+        ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``,
+        CUDA requested but not available.
+    """
+    device = _resolve_device(device)
+    dtype = _resolve_dtype(dtype)
+    variants = list(dict.fromkeys(variants))
+    if not variants:
+        raise ValueError("variants must name at least one variant")
+    for variant in variants:
+        if variant not in DECAY_VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(DECAY_VARIANTS)}")
+    seq_lens = [_check_positive_int(T, "seq_lens entries") for T in seq_lens]
+    if not seq_lens:
+        raise ValueError("seq_lens must hold at least one sequence length")
+    for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"), (repeats, "repeats"),
+                        (chunk_size, "chunk_size")):
+        _check_positive_int(value, name)
+    _check_warmup(warmup)
+    if threads is not None:
+        _check_positive_int(threads, "threads")
+    with pinned_threads(threads):
+        return _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
+                           backward, seed, progress)
+
+
+def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
+                backward, seed, progress) -> list[dict]:
+    """The timing loop of :func:`run_decay_benchmark` (arguments already checked)."""
+    from ..attention import linear_attention
+    from ..ops import delta, gated_delta, gla, retention
+
+    functions = {"retention": retention.retention, "gla": gla.gated_linear_attention, "delta": delta.delta_rule,
+                 "gated_delta": gated_delta.gated_delta_rule,
+                 "gated_delta_channel": gated_delta.gated_delta_rule}
+    results = []
+    for T in tqdm(seq_lens, disable=not progress, unit="T", desc="linattn.bench --decay", file=sys.stderr):
+        cells, fwd, fwd_bwd = [], {}, {}
+        grad_out = torch.randn(batch, heads, T, head_dim,
+                               generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+        q0, k0, v0, _ = _decay_inputs("retention", batch, heads, T, head_dim, dtype, device, seed)
+        calls = [("ungated", "chunk", (q0, k0, v0),
+                  lambda q, k, v: linear_attention(q, k, v, feature_map=None, normalize=False, causal=True,
+                                                   chunk_size=chunk_size))]
+        for variant in variants:
+            q, k, v, extra = _decay_inputs(variant, batch, heads, T, head_dim, dtype, device, seed)
+            for method in ("chunk", "recurrent"):
+                calls.append((variant, method, (q, k, v),
+                              lambda q, k, v, f=functions[variant], e=extra, m=method: f(
+                                  q, k, v, *e, method=m, chunk_size=chunk_size)))
+        for variant, method, qkv, fn in calls:
+            key = f"{variant}/{method}"
+            fwd[key], fwd_bwd[key] = _passes(fn, qkv, grad_out)
+            cells.append(dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
+                              head_dim=head_dim, chunk_size=chunk_size, effective_chunk_size=min(chunk_size, T),
+                              dtype=_dtype_name(dtype), device=str(device), device_name=_device_name(device),
+                              threads=torch.get_num_threads(), fwd_s=None, fwd_bwd_s=None, fwd_times=[],
+                              fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None))
+        passes = [("fwd", fwd)] + ([("fwd_bwd", fwd_bwd)] if backward else [])
+        for name, fns in passes:
+            times = interleaved_times(fns, repeats=repeats, warmup=warmup, device=device)
+            for cell in cells:
+                seconds = times[f"{cell['variant']}/{cell['method']}"]
+                s = summarise(seconds)
+                cell.update({f"{name}_times": seconds, f"{name}_s": s["median"], f"{name}_spread": s["spread"]})
+        results.extend(cells)
+    return results

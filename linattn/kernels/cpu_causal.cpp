@@ -1,0 +1,231 @@
+// Causal linear attention on the CPU: the recurrence with its state held in vector registers.
+//
+// One pass computes, for every head and token t (or, in reverse, with s >= t),
+//
+//     out_t = a_tᵀ X_t,      X_t = X_init + Σ_{s <= t} b_s c_sᵀ      (X: Da × Dc)
+//
+// and leaves the final X in the state buffer. The forward pass of normalised linear attention is
+// one such pass (a, b, c = φ(q), φ(k), v) plus the normaliser d_t = a_tᵀ z_t, z_t = z_init + Σ b_s;
+// each of the three gradients is another pass (see linattn/kernels/cpu.py).
+//
+// Loops: tokens in blocks of C (the chunk length); in a block, the state is cut into tiles of
+// R rows × NV vectors that stay in registers while the block's tokens stream through them. The
+// state is summed in two levels, as in the chunkwise form: a tile accumulates the block's terms
+// from zero and is added to the state before the block only once the block ends, so a state
+// entry is a sum of at most C terms plus one term per block (not of T terms in a row).
+//
+// Plain C++ with GCC/Clang vector extensions (vectors of 64 bytes: AVX-512 registers where the
+// CPU has them, split into smaller ones by the compiler elsewhere); no -ffast-math, so NaN and
+// infinity propagate as IEEE says, and a token never reaches an output before it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+template <typename T>
+struct Simd {
+    typedef T type __attribute__((vector_size(64)));
+    static constexpr int lanes = 64 / sizeof(T);
+};
+
+template <typename V, typename T>
+inline V load(const T* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+}
+
+template <typename V, typename T>
+inline void store(T* p, const V& v) {
+    std::memcpy(p, &v, sizeof(V));
+}
+
+#if defined(__AVX512F__)
+constexpr int ROWS = 4;   // 4 rows × 2 vectors: 8 running sums + 8 block states in 32 registers
+#else
+constexpr int ROWS = 2;   // 16 registers (AVX2) or 32 of 16 bytes (NEON): fewer rows
+#endif
+constexpr int NVEC = 2;
+
+// One tile: rows i0..i0+R of the state, columns j0..j0+NV*lanes, over n tokens of one block.
+// a, b point at (first token of the block, i0); c, out at (first token, j0); X at (i0, j0).
+template <typename T, int R, int NV, bool REV>
+inline void tile(const T* __restrict a, const T* __restrict b, const T* __restrict c, T* __restrict out,
+                 int64_t n, int64_t Da, int64_t Dc, T* __restrict X, bool first) {
+    using V = typename Simd<T>::type;
+    constexpr int L = Simd<T>::lanes;
+    V S[R][NV], acc[R][NV];
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NV; ++u) {
+            S[r][u] = load<V>(X + r * Dc + u * L);
+            acc[r][u] = V{} ;
+        }
+    for (int64_t s = 0; s < n; ++s) {
+        const int64_t t = REV ? n - 1 - s : s;
+        const T* at = a + t * Da;
+        const T* bt = b + t * Da;
+        const T* ct = c + t * Dc;
+        T* ot = out + t * Dc;
+        V cv[NV], o[NV];
+        for (int u = 0; u < NV; ++u) cv[u] = load<V>(ct + u * L);
+        for (int r = 0; r < R; ++r) {
+            const T br = bt[r];
+            for (int u = 0; u < NV; ++u) acc[r][u] += br * cv[u];
+        }
+        for (int u = 0; u < NV; ++u) o[u] = first ? V{} : load<V>(ot + u * L);
+        for (int r = 0; r < R; ++r) {
+            const T ar = at[r];
+            for (int u = 0; u < NV; ++u) o[u] += ar * (S[r][u] + acc[r][u]);
+        }
+        for (int u = 0; u < NV; ++u) store(ot + u * L, o[u]);
+    }
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < NV; ++u) store(X + r * Dc + u * L, S[r][u] + acc[r][u]);
+}
+
+// All tiles of one block of n tokens (Dc is a multiple of the vector length). With ea, eb
+// (one number per token) the state has one more row Xe: out_t += ea_t · (Xe + Σ eb_s c_s).
+template <typename T, bool REV>
+void block(const T* a, const T* b, const T* c, T* out, int64_t n, int64_t Da, int64_t Dc, T* X,
+           const T* ea, const T* eb, T* Xe) {
+    constexpr int L = Simd<T>::lanes;
+    int64_t j0 = 0;
+    for (; j0 + NVEC * L <= Dc; j0 += NVEC * L) {
+        int64_t i0 = 0;
+        for (; i0 + ROWS <= Da; i0 += ROWS)
+            tile<T, ROWS, NVEC, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
+        for (; i0 < Da; ++i0)
+            tile<T, 1, NVEC, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
+        if (Xe != nullptr)
+            tile<T, 1, NVEC, REV>(ea, eb, c + j0, out + j0, n, 1, Dc, Xe + j0, Da == 0);
+    }
+    for (; j0 < Dc; j0 += L) {
+        int64_t i0 = 0;
+        for (; i0 + ROWS <= Da; i0 += ROWS)
+            tile<T, ROWS, 1, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
+        for (; i0 < Da; ++i0)
+            tile<T, 1, 1, REV>(a + i0, b + i0, c + j0, out + j0, n, Da, Dc, X + i0 * Dc + j0, i0 == 0);
+        if (Xe != nullptr)
+            tile<T, 1, 1, REV>(ea, eb, c + j0, out + j0, n, 1, Dc, Xe + j0, Da == 0);
+    }
+}
+
+// The normaliser of one block: z += b_t, d_t = a_tᵀ z (two-level sums as the state), then
+// out_t /= d_t where d_t > 0 and finite, else out_t /= eps (linattn._numerics.guarded_normaliser).
+template <typename T>
+void normalise_block(const T* a, const T* b, T* out, int64_t n, int64_t Da, int64_t Dc, T* z, T* zacc,
+                     T* den, uint8_t* ok, T eps) {
+    constexpr int L = Simd<T>::lanes;
+    std::fill(zacc, zacc + Da, T(0));
+    for (int64_t t = 0; t < n; ++t) {
+        const T* at = a + t * Da;
+        const T* bt = b + t * Da;
+        T part[L] = {};
+        int64_t i = 0;
+        for (; i + L <= Da; i += L)
+            for (int l = 0; l < L; ++l) {
+                zacc[i + l] += bt[i + l];
+                part[l] += at[i + l] * (z[i + l] + zacc[i + l]);
+            }
+        for (; i < Da; ++i) {
+            zacc[i] += bt[i];
+            part[0] += at[i] * (z[i] + zacc[i]);
+        }
+        for (int width = L / 2; width >= 1; width /= 2)       // a fixed summation tree
+            for (int l = 0; l < width; ++l) part[l] += part[l + width];
+        const T d = part[0];
+        if (den != nullptr) {
+            const bool good = d > T(0) && d < std::numeric_limits<T>::infinity();
+            const T used = good ? d : eps;
+            den[t] = used;
+            ok[t] = good;
+            T* ot = out + t * Dc;
+            for (int64_t j = 0; j < Dc; ++j) ot[j] = ot[j] / used;
+        }
+    }
+    for (int64_t i = 0; i < Da; ++i) z[i] += zacc[i];
+}
+
+template <typename T>
+void head(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t* ok, T eps,
+          const T* ea, const T* eb, T* Xe, int64_t Tn, int64_t Da, int64_t Dc, int64_t C, bool rev) {
+    const int64_t nblocks = (Tn + C - 1) / C;
+    std::vector<T> zacc(z != nullptr ? Da : 0);
+    for (int64_t k = 0; k < nblocks; ++k) {
+        const int64_t blk = rev ? nblocks - 1 - k : k;
+        const int64_t t0 = blk * C;
+        const int64_t n = std::min(C, Tn - t0);
+        const T* ea_t = Xe != nullptr ? ea + t0 : nullptr;
+        const T* eb_t = Xe != nullptr ? eb + t0 : nullptr;
+        if (rev)
+            block<T, true>(a + t0 * Da, b + t0 * Da, c + t0 * Dc, out + t0 * Dc, n, Da, Dc, X, ea_t, eb_t, Xe);
+        else
+            block<T, false>(a + t0 * Da, b + t0 * Da, c + t0 * Dc, out + t0 * Dc, n, Da, Dc, X, ea_t, eb_t, Xe);
+        if (z != nullptr)
+            normalise_block<T>(a + t0 * Da, b + t0 * Da, out + t0 * Dc, n, Da, Dc, z + 0, zacc.data(),
+                               den != nullptr ? den + t0 : nullptr, ok != nullptr ? ok + t0 : nullptr, eps);
+    }
+}
+
+template <typename T>
+int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t* ok, T eps, const T* ea,
+        const T* eb, T* Xe, int64_t BH, int64_t Tn, int64_t Da, int64_t Dc, int64_t C, int rev, int threads) {
+    if (Dc % Simd<T>::lanes != 0 || C < 1 || Tn < 1) return 1;
+    if (Xe != nullptr && (ea == nullptr || eb == nullptr)) return 2;
+    auto work = [&](int64_t h) {
+        head<T>(a + h * Tn * Da, b + h * Tn * Da, c + h * Tn * Dc, out + h * Tn * Dc, X + h * Da * Dc,
+                z != nullptr ? z + h * Da : nullptr, den != nullptr ? den + h * Tn : nullptr,
+                ok != nullptr ? ok + h * Tn : nullptr, eps, Xe != nullptr ? ea + h * Tn : nullptr,
+                Xe != nullptr ? eb + h * Tn : nullptr, Xe != nullptr ? Xe + h * Dc : nullptr, Tn, Da, Dc, C,
+                rev != 0);
+    };
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, BH));
+    if (nt == 1) {
+        for (int64_t h = 0; h < BH; ++h) work(h);
+        return 0;
+    }
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < nt; ++w)
+        pool.emplace_back([&, w] { for (int64_t h = w; h < BH; h += nt) work(h); });
+    for (int64_t h = 0; h < BH; h += nt) work(h);
+    for (auto& th : pool) th.join();
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 if Dc is not a multiple of the vector length (the caller pads), 2 if
+// the extra row Xe comes without its per-token numbers ea, eb.
+int linattn_causal_pass_f32(const float* a, const float* b, const float* c, float* out, float* X, float* z,
+                            float* den, uint8_t* ok, float eps, const float* ea, const float* eb, float* Xe,
+                            int64_t BH, int64_t T, int64_t Da, int64_t Dc, int64_t C, int rev, int threads) {
+    return run<float>(a, b, c, out, X, z, den, ok, eps, ea, eb, Xe, BH, T, Da, Dc, C, rev, threads);
+}
+
+int linattn_causal_pass_f64(const double* a, const double* b, const double* c, double* out, double* X,
+                            double* z, double* den, uint8_t* ok, double eps, const double* ea, const double* eb,
+                            double* Xe, int64_t BH, int64_t T, int64_t Da, int64_t Dc, int64_t C, int rev,
+                            int threads) {
+    return run<double>(a, b, c, out, X, z, den, ok, eps, ea, eb, Xe, BH, T, Da, Dc, C, rev, threads);
+}
+
+// g *= min(phi, 1): the chain rule through elu(x) + 1 = exp(min(x, 0)) + max(x, 0), whose
+// derivative e^x (x <= 0) or 1 (x > 0) equals min(phi(x), 1).
+void linattn_elu_grad_f32(float* g, const float* phi, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] *= std::min(phi[i], 1.0f);
+}
+
+void linattn_elu_grad_f64(double* g, const double* phi, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) g[i] *= std::min(phi[i], 1.0);
+}
+
+int linattn_vector_bytes() { return 64; }
+
+}  // extern "C"
