@@ -55,6 +55,7 @@ from .recurrent import LinearAttentionState
 
 __all__ = [
     "STATE_EXCHANGES",
+    "AUTO_STATE_EXCHANGE",
     "sequence_parallel_linear_attention",
     "local_state",
     "ring_softmax_attention",
@@ -65,7 +66,12 @@ __all__ = [
     "measure_sequence_parallel",
 ]
 
-STATE_EXCHANGES = ("allgather", "ring")
+STATE_EXCHANGES = ("allgather", "ring", "scan")
+#: What ``state_exchange="auto"`` (the default) becomes, by backend: NCCL's one all-gather per pass
+#: (LASP-2, Sun et al., 2025, measured on GPUs); elsewhere (gloo) the chain, which chapter 12's
+#: sp_exchange study measured faster than gloo's all-gather for the exchange at P = 2 and 4.
+AUTO_STATE_EXCHANGE = {"nccl": "allgather"}
+AUTO_STATE_EXCHANGE_DEFAULT = "ring"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -200,6 +206,14 @@ def _send(x: Tensor, peer: int, ranks: _Ranks, op: str) -> None:
     x = x.contiguous()
     dist.send(x, dst=ranks.global_rank(peer), group=ranks.group)
     _record(op, _nbytes(x))
+
+
+def _isend(x: Tensor, peer: int, ranks: _Ranks, op: str):
+    """Start sending ``x`` (keep it unchanged until the returned request has been waited on)."""
+    x = x.contiguous()
+    request = dist.isend(x, dst=ranks.global_rank(peer), group=ranks.group)
+    _record(op, _nbytes(x))
+    return request
 
 
 def _recv(like: Tensor, peer: int, ranks: _Ranks) -> Tensor:
@@ -417,14 +431,21 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype)
 
 
-def _check_state_exchange(state_exchange) -> str:
-    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored)."""
+def _check_state_exchange(state_exchange, ranks: Optional[_Ranks] = None) -> str:
+    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored).
+
+    ``"auto"`` is resolved by the backend of ``ranks``' group (:data:`AUTO_STATE_EXCHANGE`); without
+    ``ranks`` it is returned as ``"auto"``.
+    """
+    choices = ("auto",) + STATE_EXCHANGES
     if not isinstance(state_exchange, str):
-        raise TypeError(f"state_exchange must be a str, one of {STATE_EXCHANGES}, "
+        raise TypeError(f"state_exchange must be a str, one of {choices}, "
                         f"got {type(state_exchange).__name__}")
     key = state_exchange.strip().lower()
-    if key not in STATE_EXCHANGES:
-        raise ValueError(f"state_exchange must be one of {STATE_EXCHANGES} (any case), got {state_exchange!r}")
+    if key not in choices:
+        raise ValueError(f"state_exchange must be one of {choices} (any case), got {state_exchange!r}")
+    if key == "auto" and ranks is not None:
+        key = AUTO_STATE_EXCHANGE.get(dist.get_backend(ranks.group), AUTO_STATE_EXCHANGE_DEFAULT)
     return key
 
 
@@ -556,12 +577,14 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
 
 
 def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
-    """``Σ_{s < rank} local_s``: all-gather every state, or receive the running sum from the left."""
+    """``Σ_{s < rank} local_s``: all-gather every state, receive the running sum from the left, or scan."""
     if exchange == "allgather":
         incoming = torch.zeros_like(local)
         for part in _all_gather(local, ranks, op)[: ranks.rank]:
             incoming += part
         return incoming
+    if exchange == "scan":
+        return _exclusive_scan(local, ranks, op, reverse=False)
     incoming = torch.zeros_like(local) if ranks.rank == 0 else _recv(local, ranks.rank - 1, ranks)
     if ranks.rank < ranks.world - 1:
         _send(incoming + local, ranks.rank + 1, ranks, op)
@@ -569,17 +592,51 @@ def _exclusive_prefix(local: Tensor, ranks: _Ranks, exchange: str, op: str) -> T
 
 
 def _exclusive_suffix(grad: Tensor, ranks: _Ranks, exchange: str, op: str) -> Tensor:
-    """``Σ_{s > rank} grad_s``, added from the last rank down (the same order in both exchanges)."""
+    """``Σ_{s > rank} grad_s``, added from the last rank down (all-gather and chain alike; the scan by its tree)."""
     if exchange == "allgather":
         later = torch.zeros_like(grad)
         for part in reversed(_all_gather(grad, ranks, op)[ranks.rank + 1:]):
             later += part
         return later
+    if exchange == "scan":
+        return _exclusive_scan(grad, ranks, op, reverse=True)
     last = ranks.world - 1
     later = torch.zeros_like(grad) if ranks.rank == last else _recv(grad, ranks.rank + 1, ranks)
     if ranks.rank > 0:
         _send(later + grad, ranks.rank - 1, ranks, op)
     return later
+
+
+def _exclusive_scan(x: Tensor, ranks: _Ranks, op: str, *, reverse: bool) -> Tensor:
+    """The exclusive prefix sum over ranks in ``⌈log2 P⌉`` rounds of one message (MPI_Exscan's result).
+
+    Hillis & Steele's scan (1986): in the round of distance ``d = 1, 2, 4, ...`` the rank at
+    position ``i`` of the scan sends what it holds for ``(i − d, i]`` to position ``i + d`` and
+    receives ``(i − 2d, i − d]`` from position ``i − d``; after the last round position ``i``
+    holds ``Σ_{j < i}``. Each message is one state, each rank sends at most one per round, and
+    the rounds, not ``P − 1`` hops, are the critical path. ``reverse`` scans from the last
+    rank down (the backward pass). The sums are added in the tree's order, so the result
+    equals the all-gather's and the chain's up to rounding, not bit for bit.
+    """
+    P = ranks.world
+    pos = P - 1 - ranks.rank if reverse else ranks.rank                   # position along the scan
+
+    def rank_at(i: int) -> int:
+        return P - 1 - i if reverse else i
+
+    inclusive, exclusive = x.contiguous(), torch.zeros_like(x)           # Σ over (pos − d, pos] and (pos − d, pos)
+    d = 1
+    while d < P:
+        request = _isend(inclusive, rank_at(pos + d), ranks, op) if pos + d < P else None
+        if pos - d >= 0:
+            got = _recv(x, rank_at(pos - d), ranks)                       # Σ over (pos − 2d, pos − d]
+            exclusive, received = got + exclusive, got
+        if request is not None:
+            request.wait()                                                # inclusive may be replaced now
+        if pos - d >= 0:
+            inclusive = received + inclusive
+        d *= 2
+    return exclusive
 
 
 class _PrefixOverRanks(torch.autograd.Function):
@@ -626,7 +683,7 @@ def sequence_parallel_linear_attention(
     method: str = "auto",
     chunk_size: int = 64,
     attention_mask: Optional[Tensor] = None,
-    state_exchange: str = "allgather",
+    state_exchange: str = "auto",
     return_state: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Linear attention over a sequence split across the ranks of a process group.
@@ -694,13 +751,24 @@ def sequence_parallel_linear_attention(
         ``max_len`` = the whole length gives exactly the numbers of ``max_len=None`` in one
         process, so that is what to pass.)
     state_exchange : str
-        Causal only: ``"allgather"`` (each rank gathers every rank's state and sums those to
-        its left: one collective, ``(P-1)·n`` bytes sent per rank in a ring all-gather for a
-        state of ``n`` bytes) or ``"ring"`` (rank ``r`` receives the running sum from
-        ``r - 1`` and sends it on: ``n`` bytes per rank, but ``P - 1`` hops one after the
-        other). Case and surrounding spaces are ignored, as for ``method``. Chapter 12
-        measures both. When ``causal=False`` it is not used: it must still be one of the
-        two names, but the ranks need not agree on it.
+        Causal only: how rank ``r`` obtains ``Σ_{s<r} L_s`` (a state of ``n`` bytes):
+
+        - ``"allgather"``: each rank gathers every rank's state and sums those to its left;
+          one collective call, ``(P-1)·n`` bytes sent per rank in a ring all-gather;
+        - ``"ring"``: a chain, rank ``r`` receives the running sum from ``r - 1`` and sends it on:
+          ``n`` bytes per rank, but ``P - 1`` messages one after the other;
+        - ``"scan"``: an exclusive scan in ``⌈log2 P⌉`` rounds of one state each (Hillis &
+          Steele's recursive doubling): at most ``⌈log2 P⌉·n`` bytes per rank and ``⌈log2 P⌉``
+          messages on the critical path; its sums are added in another order, so its outputs
+          equal the other two's up to rounding (the all-gather and the chain agree bit for bit);
+        - ``"auto"`` (default): ``"allgather"`` with NCCL (one collective per pass, as LASP-2,
+          Sun et al., 2025, chose and measured on GPUs), ``"ring"`` with any other backend
+          (chapter 12's ``sp_exchange`` study: with gloo on CPU the chain and the scan passed
+          the state faster than the all-gather in every block at ``P = 2`` and ``4``, the chain
+          most often). See :data:`AUTO_STATE_EXCHANGE`.
+
+        Case and surrounding spaces are ignored, as for ``method``. When ``causal=False`` it is
+        not used: it must still be one of the names, but the ranks need not agree on it.
     return_state : bool
         Also return a state: causal, the state after this rank's last token (on the last
         rank, the state of the whole sequence); non-causal, the state of the whole sequence.
@@ -756,7 +824,7 @@ def sequence_parallel_linear_attention(
             _checks.check_eps(eps, _checks.accumulation_dtype(q.dtype))
             _checks.check_chunk_size(chunk_size)
             _resolve_method(method, causal)
-            state_exchange = _check_state_exchange(state_exchange)
+            state_exchange = _check_state_exchange(state_exchange, ranks)
             attention_mask = _checks.check_attention_mask(attention_mask, k)
             phi = resolve_feature_map(feature_map)
             feature_map_name = _feature_map_name(phi)
@@ -1202,7 +1270,7 @@ def _collect(procs: list, result_dir: str, results: dict, deadline: float, grace
 # ---------------------------------------------------------------------------------------
 
 _CASE_DEFAULTS = dict(batch=1, heads=2, head_dim=16, causal=True, state_exchange="allgather",
-                      dtype="float32", backward=False, communication_only=False, repeats=None)
+                      dtype="float32", backward=False, communication_only=False, repeats=None, block=None)
 
 
 def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: int = 3,
@@ -1216,9 +1284,10 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
     (True), ``state_exchange`` ("allgather"), ``dtype`` ("float32"), ``backward`` (False;
     linear only: time forward + backward of ``out.sum()``) and ``communication_only``
     (False: time only the exchange, the state's for linear or the ring pass of the K, V
-    blocks for softmax, with no attention arithmetic) and ``repeats`` (this case's number of
-    timed calls; default the ``repeats`` argument). All cases run in one process group,
-    so the start-up (several seconds) is paid once.
+    blocks for softmax, with no attention arithmetic), ``repeats`` (this case's number of
+    timed calls; default the ``repeats`` argument) and ``block`` (None; a label copied into
+    the record and not used otherwise, to tell apart repeated, interleaved copies of a
+    case). All cases run in one process group, so the start-up (several seconds) is paid once.
 
     Parameters
     ----------
@@ -1306,8 +1375,9 @@ def _measured_call(case: dict, rank: int, world: int, ranks: _Ranks, seed: int) 
     q, k, v = (torch.randn(B, H, T_local, D, generator=g).to(dtype) for _ in range(3))
     if case["kind"] == "linear" and case["communication_only"]:
         state = local_state(k, v).augmented()                          # (B, H, M, Dv + 1)
+        exchange = _check_state_exchange(case["state_exchange"], ranks)   # "auto" by this group's backend
         if case["causal"]:
-            return lambda: _exclusive_prefix(state, ranks, case["state_exchange"], "state")
+            return lambda: _exclusive_prefix(state, ranks, exchange, "state")
         return lambda: _all_reduce_sum(state, ranks, "state")
     if case["kind"] == "linear":
         def linear():

@@ -8,6 +8,7 @@ local outputs and gradients; the tests compare them here with single-process flo
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pathlib
 import subprocess
@@ -66,6 +67,9 @@ _LINEAR = {
     "causal-norm-ring": dict(lengths=None, causal=True, normalize=True, exchange="ring"),
     "causal-unnorm-allgather": dict(lengths=None, causal=True, normalize=False, exchange="allgather"),
     "causal-unnorm-ring": dict(lengths=None, causal=True, normalize=False, exchange="ring"),
+    "causal-norm-scan": dict(lengths=None, causal=True, normalize=True, exchange="scan"),
+    "causal-norm-auto": dict(lengths=None, causal=True, normalize=True, exchange="auto"),
+    "causal-unnorm-scan": dict(lengths=None, causal=True, normalize=False, exchange="scan"),
     "noncausal-norm": dict(lengths=None, causal=False, normalize=True, exchange="allgather"),
     "noncausal-unnorm": dict(lengths=None, causal=False, normalize=False, exchange="ring"),
 }
@@ -199,13 +203,14 @@ CASES = {
                for softmax in (False, True)},
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
-                expect=("TypeError", ["state_exchange must be a str, one of ('allgather', 'ring'), got int"])),
+                expect=("TypeError", ["state_exchange must be a str, one of ('auto', 'allgather', 'ring', 'scan'), got int"])),
             "exchange-unknown-even-when-unused": dict(
                 per_rank=[dict(causal=False, state_exchange="tree")] * 2,
-                expect=("ValueError", ["state_exchange must be one of ('allgather', 'ring') (any case), "
+                expect=("ValueError", ["state_exchange must be one of ('auto', 'allgather', 'ring', 'scan') (any case), "
                                        "got 'tree'"])),
         }.items()},
     },
+    3: {name: {**opts, "kind": "linear", "lengths": [4, 2, 5]} for name, opts in _LINEAR.items()},  # P not 2^k
     4: {
         **_cases([3, 1, 6, 4]),
         "mismatch-value-dim": dict(kind="mismatch", lengths=[3, 3, 3, 3], field="value_dim"),
@@ -228,7 +233,7 @@ CASES = {
 def _inputs(name: str, case: dict):
     """The whole sequence in float64, the same in every process (seeded by the case name, so that
     the two exchanges of one configuration see the same numbers)."""
-    key = name.removesuffix("-ring").removesuffix("-allgather")
+    key = name.removesuffix("-ring").removesuffix("-allgather").removesuffix("-scan").removesuffix("-auto")
     g = torch.Generator().manual_seed(sum(map(ord, key)))
     Tk = sum(case["lengths"])
     Tq = sum(case.get("q_lengths") or case["lengths"])
@@ -444,6 +449,34 @@ def test_ring_and_allgather_exchanges_agree_bit_for_bit(ranks, world_size):
             assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
 
 
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_scan_agrees_with_allgather_to_rounding(ranks, world_size):
+    """The scan adds the same states in a tree's order: equal up to float64 rounding (bit for bit at P = 2)."""
+    for rank, res in enumerate(ranks(world_size)):
+        for norm in ("norm", "unnorm"):
+            a, b = res[f"causal-{norm}-allgather"], res[f"causal-{norm}-scan"]
+            _close(b["out"], a["out"], f"rank {rank} output")
+            for x, y in zip(a["grads"], b["grads"]):
+                _close(y, x, f"rank {rank} gradient")
+            if world_size == 2:
+                assert torch.equal(a["out"], b["out"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_auto_exchange_is_the_chain_on_gloo(ranks, world_size):
+    assert linattn.distributed.AUTO_STATE_EXCHANGE == {"nccl": "allgather"}
+    for rank, res in enumerate(ranks(world_size)):
+        a, b = res["causal-norm-auto"], res["causal-norm-ring"]
+        assert torch.equal(a["out"], b["out"]) and a["bytes"] == b["bytes"], f"rank {rank}"
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
+
+
+def _scan_sends(P: int, position: int) -> int:
+    """States one position of the scan sends: one per round whose partner exists."""
+    rounds = max(1, math.ceil(math.log2(P))) if P > 1 else 0
+    return sum(position + 2 ** j < P for j in range(rounds))
+
+
 SOFTMAX_IDS = [(P, name) for P, cases in CASES.items() for name, c in cases.items()
                if c["kind"] == "softmax" and "nonfinite" not in c]
 
@@ -499,6 +532,9 @@ def test_bytes_sent_match_the_analytic_counts(ranks, world_size):
         ring = res["causal-norm-ring"]["bytes"]
         assert ring.get("state", 0) == (s if rank < P - 1 else 0)          # forward: to the right
         assert ring.get("state_grad", 0) == (s if rank > 0 else 0)         # backward: to the left
+        scan = res["causal-norm-scan"]["bytes"]
+        assert scan.get("state", 0) == _scan_sends(P, rank) * s            # forward: rounds to the right
+        assert scan.get("state_grad", 0) == _scan_sends(P, P - 1 - rank) * s   # backward: to the left
         assert res["noncausal-norm"]["bytes"]["state"] == 2 * (P - 1) * s // P
         lengths = CASES[P]["softmax-causal"]["lengths"]
         passed = [lengths[(rank - step) % P] for step in range(P - 1)]     # the blocks this rank forwards
@@ -818,6 +854,7 @@ def test_measure_sequence_parallel_counts_bytes_and_times():
         dict(kind="linear", T=T, causal=True, communication_only=True),
         dict(kind="softmax", T=T, causal=True),
         dict(kind="softmax", T=T + 1, causal=True, communication_only=True),
+        dict(kind="linear", T=T, causal=True, communication_only=True, state_exchange="scan", block=3),
     ], repeats=1, timeout=60.0)
     s = 1 * 2 * 16 * 17 * 4                     # float32 state of B=1, H=2, M=16, Dv+1=17
     hs = 15 * 8                                 # the other rank's row of 15 int64
@@ -826,4 +863,5 @@ def test_measure_sequence_parallel_counts_bytes_and_times():
     kv = 1 * 2 * (16 + 16) * 4                  # bytes of one token's key and value
     assert records[2]["bytes_sent"] == [hs + 32 * kv, hs + 32 * kv]
     assert records[3]["bytes_sent"] == [33 * kv, 32 * kv]   # slices of 33 and 32 tokens
+    assert records[4]["bytes_sent"] == [s, 0] and records[4]["block"] == 3 and records[0]["block"] is None
     assert all(r["seconds"] > 0 and r["world_size"] == P for r in records)

@@ -590,3 +590,50 @@ def test_distill_errors():
         distill_feature_map(h, q, q, lr=-1)
     with pytest.raises(TypeError, match=r"causal must be a bool, got str"):
         distill_feature_map(h, q, q, causal="yes")
+
+
+# ------------------------------------------------------------------------------------------
+# Hedgehog's start: the identity where it exists, random rows elsewhere
+# ------------------------------------------------------------------------------------------
+
+
+def test_hedgehog_identity_init_draws_the_rows_beyond_the_identity():
+    wide = HedgehogFeatures(D, num_features=3 * D)
+    assert torch.equal(wide.weight[:D], torch.eye(D))
+    extra = wide.weight[D:].double()
+    assert extra.abs().min() > 0                                         # no zero row, no zero entry
+    assert abs(extra.pow(2).sum(-1).mean().item() - 1.0) < 0.35          # N(0, 1/D) entries: rows of norm ~1
+    again = HedgehogFeatures(D, num_features=3 * D)
+    assert torch.equal(wide.weight, again.weight)                        # counter-based: deterministic
+    other = HedgehogFeatures(D, num_features=3 * D, seed=1)
+    assert torch.equal(other.weight[:D], torch.eye(D)) and not torch.equal(other.weight[D:], wide.weight[D:])
+    narrow = HedgehogFeatures(D, num_features=D // 2)
+    assert torch.equal(narrow.weight, torch.eye(D // 2, D))
+
+
+def test_hedgehog_zero_rows_would_get_no_gradient_and_drawn_rows_do():
+    """The reason for the random rows: a zero row is a stationary point of any loss of the weights."""
+    q, k = (_randn(1, 2, 24, D, seed=70 + s) for s in range(2))
+    for zero_rows, expect_zero in ((True, True), (False, False)):
+        h = HedgehogFeatures(D, num_features=2 * D).double()
+        if zero_rows:
+            with torch.no_grad():
+                h.weight[D:] = 0.0
+        A = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), -1)
+        a = h(q) @ h(k).transpose(-1, -2)
+        loss = -(A * (a / a.sum(-1, keepdim=True)).log()).sum(-1).mean()
+        loss.backward()
+        extra_grad = h.weight.grad[D:].abs().max().item()
+        assert (extra_grad < 1e-15) == expect_zero, extra_grad
+
+
+def test_hedgehog_random_init_and_bad_init():
+    h = HedgehogFeatures(D, init="random", seed=5)
+    assert not torch.equal(h.weight, torch.eye(D)) and h.weight.abs().min() > 0
+    assert "init='random'" in repr(h) and "seed=5" in repr(h)
+    with pytest.raises(ValueError, match=r"init must be one of \('identity', 'random'\), got 'eye'"):
+        HedgehogFeatures(D, init="eye")
+    with pytest.raises(TypeError, match=r"init must be a str"):
+        HedgehogFeatures(D, init=None)
+    with pytest.raises(ValueError, match=r"seed must be >= 0"):
+        HedgehogFeatures(D, seed=-1)

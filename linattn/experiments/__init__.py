@@ -288,6 +288,10 @@ def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
 
 # The registered studies (modules of this package).
 register("positions", "positions")
+register("mqar", "mqar")
+register("reassign", "reassign")
+register("charlm", "charlm")
+register("sp_exchange", "sp_exchange")
 register("recall_conv_sweep", "recall_conv_sweep")
 register("recall_conv", "recall_conv")
 register("modern_lm_sweep", "modern_lm_sweep")

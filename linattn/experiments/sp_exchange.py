@@ -1,0 +1,66 @@
+"""How to pass the state between ranks (chapter 12): all-gather, chain or exclusive scan, timed on gloo.
+
+For ``P`` CPU processes (gloo on 127.0.0.1, one thread each) the three values of
+``state_exchange`` of :func:`linattn.distributed.sequence_parallel_linear_attention` are timed
+in interleaved blocks (all three, then all three again, ``blocks`` times), so that a slow
+spell of a shared machine hits all three alike: the exchange of the state alone (``T = 65536``,
+``B = 1``, ``H = 2``, ``D = Dv = 16``, float32; 25 calls per block) and a whole forward plus
+backward pass at ``T = 16384`` (5 calls per block). A call's time is the slowest rank's; a
+block's time is the median of its calls. The bytes each rank sends (deterministic) come with
+them, and the load average of the machine before and after, since the timings depend on what
+else runs. The first cell is a short one, for a notebook to re-run.
+"""
+from __future__ import annotations
+
+import os
+
+NAME = "sp_exchange"
+DESCRIPTION = "state exchange of sequence-parallel linear attention: all-gather, chain, scan (gloo, CPU)"
+
+EXCHANGES = ("allgather", "ring", "scan")
+T_ALONE, T_PASS = 65536, 16384
+
+
+def grid() -> list[dict]:
+    return [dict(P=2, blocks=1, repeats_alone=5, repeats_pass=1),
+            dict(P=2, blocks=12, repeats_alone=25, repeats_pass=5),
+            dict(P=4, blocks=12, repeats_alone=25, repeats_pass=5)]
+
+
+def run_cell(cell: dict) -> dict:
+    from .. import distributed as lad
+
+    cases = []
+    for b in range(cell["blocks"]):
+        cases += [dict(kind="linear", T=T_ALONE, communication_only=True, state_exchange=ex,
+                       repeats=cell["repeats_alone"], block=b) for ex in EXCHANGES]
+        cases += [dict(kind="linear", T=T_PASS, backward=True, state_exchange=ex,
+                       repeats=cell["repeats_pass"], block=b) for ex in EXCHANGES]
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    records = lad.measure_sequence_parallel(cell["P"], cases, timeout=600)
+    out = {"load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]}
+    for what, comm in (("alone", True), ("pass", False)):
+        rows = [r for r in records if r["communication_only"] == comm]
+        out[f"seconds_{what}"] = {ex: [r["seconds"] for r in rows if r["state_exchange"] == ex] for ex in EXCHANGES}
+        out[f"bytes_{what}"] = {ex: next(r["bytes_sent"] for r in rows if r["state_exchange"] == ex)
+                                for ex in EXCHANGES}
+    return out
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per P and kind of call: the median block time of each exchange and how many blocks each won."""
+    import statistics
+
+    out = []
+    for row in rows:
+        if row["cell"]["blocks"] < 2:
+            continue
+        for what in ("alone", "pass"):
+            secs = row["result"][f"seconds_{what}"]
+            wins = {ex: 0 for ex in EXCHANGES}
+            for trio in zip(*(secs[ex] for ex in EXCHANGES)):
+                wins[EXCHANGES[trio.index(min(trio))]] += 1
+            out.append(dict(P=row["cell"]["P"], what=what, blocks=row["cell"]["blocks"],
+                            median_ms={ex: round(1e3 * statistics.median(secs[ex]), 3) for ex in EXCHANGES},
+                            wins=wins))
+    return {"by_P": out}
