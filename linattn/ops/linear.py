@@ -206,7 +206,9 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
         ctx.has_state = (S0 is not None, z0 is not None)
         if any(ctx.needs_input_grad[:5]):
             ctx.save_for_backward(phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before)
-        ctx.save_for_forward(phi_q, phi_k, v, S0, z0, y, den, den_ok)
+        # y through a detached alias: saving the differentiable output itself makes a reference
+        # cycle under non-reentrant checkpointing (its recomputed tensors then wait for the gc)
+        ctx.save_for_forward(phi_q, phi_k, v, S0, z0, y.detach(), den, den_ok)
 
     @staticmethod
     def backward(ctx, g_out, g_S, g_z, *unused):
