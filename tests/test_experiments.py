@@ -52,7 +52,9 @@ def test_errors_name_what_is_wrong(toy, tmp_path):
         experiments.run_study(toy, cells=[9])
     with pytest.raises(ValueError, match=r"workers must be an int >= 1"):
         experiments.run_study(toy, workers=0)
-    with pytest.raises(FileNotFoundError, match=r"run: python -m linattn.experiments missing"):
+    with pytest.raises(FileNotFoundError, match=rf"run: python -m linattn.experiments {toy}"):
+        experiments.load_results(tmp_path / f"{toy}.json")
+    with pytest.raises(FileNotFoundError, match=r"'missing' is not a study of linattn.experiments"):
         experiments.load_results(tmp_path / "missing.json")
 
 
