@@ -34,13 +34,19 @@ def build(model_kwargs: dict, seed: int) -> TransformerLM:
     return TransformerLM(corpus().vocab_size, **model_kwargs)
 
 
+def adamw_cosine(model: TransformerLM, *, lr: float, steps: int, warmup: int):
+    """The studies' optimiser: AdamW (betas 0.9, 0.99, weight decay 0.1), linear warm-up, cosine decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    return opt, schedule
+
+
 def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = 32,
           block_size: int = 128, warmup: int = 20, log_every: int = 50) -> list[float]:
     """Train in place; returns the mean training loss of every ``log_every`` steps (nats)."""
     data = corpus()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    opt, schedule = adamw_cosine(model, lr=lr, steps=steps, warmup=warmup)
     batches = torch.Generator().manual_seed(seed)
     curve, window = [], []
     model.train()

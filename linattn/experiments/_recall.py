@@ -11,13 +11,13 @@ recalled 22 % of 4 pairs.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
 from ..layers import TransformerLM
 from ..tasks import multi_query_associative_recall, recall_accuracy
+from ._lm import adamw_cosine
 
 TRAIN_PAIRS = (4, 8, 16)
 EVAL_PAIRS = (4, 8, 16, 32)
@@ -35,9 +35,7 @@ def build(model_kwargs: dict, seed: int) -> TransformerLM:
 def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = BATCH_SIZE,
           warmup: int = 20) -> list:
     """AdamW with warm-up and cosine decay; the number of pairs cycles through TRAIN_PAIRS."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    opt, schedule = adamw_cosine(model, lr=lr, steps=steps, warmup=warmup)
     g = torch.Generator().manual_seed(seed)
     curve, window = [], []
     model.train()
