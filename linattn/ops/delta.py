@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from .. import _checks
-from ._common import (Result, check_like_q, finish, from_chunks, num_chunks, prepare, read, run, scan, to_chunks,
-                        zeros_state)
+from ._common import (Result, check_like_q, finish, from_chunks, num_chunks, prepare, read, run, to_chunks,
+                      zeros_state)
+from ._wy import wy_chunk
 from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
 
@@ -53,10 +54,14 @@ def delta_rule(
     inside a chunk with start state ``S``, write ``S_t = S + Σ_{s<=t} k_s u_sᵀ``; the
     pseudo-values ``u`` solve the unit lower-triangular system
     ``(I + tril(diag(β) K Kᵀ, −1)) U = diag(β) (V − K S)``, so ``U = Ũ − W S`` with
-    ``[W, Ũ] = (I + tril(diag(β) K Kᵀ, −1))⁻¹ diag(β) [K, V]`` (one
-    ``torch.linalg.solve_triangular`` per chunk, all chunks at once, differentiable).
-    Then ``O = (Q − A W) S + A Ũ`` with ``A = tril(Q Kᵀ)``, and the next chunk starts
-    from ``(I − Kᵀ W) S + Kᵀ Ũ``.
+    ``[W, Ũ] = (I + tril(diag(β) K Kᵀ, −1))⁻¹ diag(β) [K, V]`` (all chunks at once).
+    Then ``O = Q S + A U`` with ``A = tril(Q Kᵀ)``, and the next chunk starts from
+    ``S + Kᵀ U``: only ``W S`` and ``Kᵀ U`` run chunk after chunk. The backward pass is
+    written by hand (:mod:`linattn.ops._wy`); it stores the scores, the triangular inverse,
+    ``[W, Ũ]``, ``U`` and the chunk start states instead of recomputing them. Second
+    derivatives of the chunk form raise a RuntimeError (use ``method="recurrent"``);
+    ``torch.func`` transforms, forward-mode AD and ``torch.compile`` differentiate the same
+    equations through autograd.
 
     Parameters
     ----------
@@ -119,18 +124,5 @@ def _delta_chunk(q, k, v, beta, S0, chunk_size):
     C, N = num_chunks(T, chunk_size)
     qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
     bc = to_chunks(beta.unsqueeze(-1), N, C)                          # (B, H, N, C, 1)
-    eye_C = torch.eye(C, dtype=q.dtype, device=q.device)
-    kb = kc * bc                                                       # diag(β) K
-    T_mat = eye_C + (kb @ kc.transpose(-1, -2)).tril(-1)               # I + tril(diag(β) K Kᵀ, −1)
-    rhs = torch.cat([kb, vc * bc], dim=-1)                             # diag(β) [K, V]
-    sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
-    W, U_tilde = sol[..., :Dk], sol[..., Dk:]                          # (B, H, N, C, Dk), (..., Dv)
-    A = (qc @ kc.transpose(-1, -2)).tril()                             # (B, H, N, C, C)
-    AW, AU = A @ W, A @ U_tilde
-    q_eff = qc - AW                                                    # O = q_eff S + A Ũ
-    kt = kc.transpose(-1, -2)
-    transition = torch.eye(Dk, dtype=q.dtype, device=q.device) - kt @ W   # (B, H, N, Dk, Dk)
-    G = kt @ U_tilde                                                   # (B, H, N, Dk, Dv)
-    S_before, S = scan(zeros_state(k, v, S0), lambda S, tr, g: tr @ S + g, transition, G)
-    out = AU + q_eff @ S_before                                        # (B, H, N, C, Dv)
+    out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0))          # see linattn.ops._wy
     return from_chunks(out, T), S

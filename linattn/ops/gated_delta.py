@@ -24,6 +24,7 @@ from torch import Tensor
 from .. import _checks
 from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
+from ._wy import wy_chunk
 from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
                       read, run, scan, subchunk_length, to_chunks, zeros_state)
 
@@ -70,8 +71,12 @@ def gated_delta_rule(
     K̂ᵀ Ũ`` with ``K̂_s = e^{b_C − b_s} ⊙ k_s``. Every exponent is a sum of log-gates over its
     own range, ``<= 0``: a decay strong enough to underflow gives zeros, never ``inf``/NaN
     (reference code that forms ``e^{b_t} · e^{−b_s}`` overflows at ``log α = −3`` per token
-    and ``C = 64``). Forward and backward (autograd through the chunk form) work for ragged
-    ``T``; float16/bfloat16 inputs compute in float32 with a float32 state.
+    and ``C = 64``). Forward and backward work for ragged ``T``; float16/bfloat16 inputs
+    compute in float32 with a float32 state. With one gate per head the chunk form runs as
+    ``U = Ũ − W S``, ``O = Q̃ S + P U``, ``S' = e^{b_C} S + K̂ᵀ U`` with a hand-written backward
+    (:mod:`linattn.ops._wy`; autograd differentiates only the decay factors; second
+    derivatives raise a RuntimeError, use ``method="recurrent"``); per key channel, autograd
+    differentiates the chunk form op by op.
 
     Parameters
     ----------
@@ -208,12 +213,10 @@ def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
         P = decay.scores(qc, kc)                                        # (B, H, N, Cp, Cp), s <= t
         A = decay.scores(kc, kc, strict=True)                           # s < t
         from_start, to_end, total = decay.from_start, decay.to_end, decay.total.unsqueeze(-1)  # (…, Dk, 1)
-    else:
+    else:                                                               # one gate per head: linattn.ops._wy
         D, from_start, to_end, total = _scalar_decay(gc)
-        # tril_ first: the products with later keys may overflow, and inf · 0 would be NaN
-        P = (qc @ kc.transpose(-1, -2)).tril_() * D
-        A = (kc @ kc.transpose(-1, -2)).tril_(-1) * D
-        total = total.unsqueeze(-1)                                     # (B, H, N, 1, 1)
+        out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0), D, from_start, to_end, total.unsqueeze(-1))
+        return from_chunks(out, T), S
     eye = torch.eye(Cp, dtype=q.dtype, device=q.device)
     T_mat = eye + bc * A                                                # I + diag(β) A, unit lower
     rhs = torch.cat([bc * (kc * from_start), bc * vc], dim=-1)          # diag(β) [K̃, V]
