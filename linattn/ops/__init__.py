@@ -35,5 +35,8 @@ underflow gives zeros, never ``inf`` or NaN (a chunkwise form that writes
 ``exp(b_t) · exp(−b_s)`` overflows for per-token decays of ``e^-3`` at ``C = 64``).
 
 The shared pieces (validation, chunking, the scan between chunks, range sums of log-gates)
-live in :mod:`linattn.ops._common`; every public function is exported from :mod:`linattn`.
+live in :mod:`linattn.ops._common`; the delta rule and the gated delta rule with one gate per
+head share one chunk form with a hand-written backward, :mod:`linattn.ops._wy` (the others are
+differentiated by autograd through their chunk forms, plain linear attention by its own
+Function); every public function is exported from :mod:`linattn`.
 """
