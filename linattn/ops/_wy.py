@@ -20,8 +20,10 @@ construction from the log-gates; everything with a matmul is differentiated here
 
 Saved for the backward pass (per chunk): the inputs, ``Q Kᵀ`` and ``K Kᵀ`` (``C²`` each), ``M``,
 ``[W, Ũ]``, ``U`` and the chunk start states (``Dk·Dv``): the matmuls of the forward pass are not
-repeated. Second derivatives are not supported (they raise); ``torch.func`` transforms and
-forward-mode AD use the same equations through autograd (:func:`wy_chunk` picks).
+repeated. A backward pass that must itself be differentiable (``create_graph=True``) recomputes
+the forward op by op from the inputs and lets autograd differentiate it; ``torch.func``
+transforms, ``torch.compile`` and forward-mode AD use that op-by-op form from the start
+(:func:`wy_chunk` picks).
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .._numerics import compiling
 
@@ -43,11 +44,10 @@ def _forward(q, k, v, beta, S0, D, from_start, to_end, total):
     """
     gated = D is not None
     kt = k.transpose(-1, -2)
-    QK = (q @ kt).tril_()                               # tril_ first: an overflowing later score times 0 is NaN
-    KK = (k @ kt).tril_(-1)
+    QK = (q @ kt).tril()                                # tril first: an overflowing later score times 0 is NaN
+    KK = (k @ kt).tril(-1)
     P, A = (QK * D, KK * D) if gated else (QK, KK)
-    M = beta * A
-    M.diagonal(dim1=-2, dim2=-1).fill_(1.0)             # I + diag(β) A (A's diagonal is 0)
+    M = beta * A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)   # I + diag(β) A (A's diagonal is 0)
     kf = k * from_start if gated else k
     X = torch.linalg.solve_triangular(M, torch.cat([beta * kf, beta * v], dim=-1), upper=False, unitriangular=True)
     Dk = k.shape[-1]
@@ -130,15 +130,19 @@ class _WYChunk(torch.autograd.Function):
         U3, Sb3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv)
         out = torch.baddbmm(torch.bmm(qf, Sb3), P, U3)
         ctx.gated, ctx.shape = gated, (B, H, N, C, Dk, Dv)
-        ctx.save_for_backward(q3, k3, v3, b3, D, from_start, to_end, total, QK, KK, Minv, W, Ut, U, S_before)
+        ctx.save_for_backward(q, k, v, beta, S0, D, from_start, to_end, total, QK, KK, Minv, W, Ut, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, d_out, d_S):
-        q3, k3, v3, b3, D, fs, te, total, QK, KK, Minv, W, Ut, U, S_before = ctx.saved_tensors
+        q, k, v, beta, S0, D, fs, te, total, QK, KK, Minv, W, Ut, U, S_before = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True (a second derivative): the stored intermediates are constants to
+            # autograd, so differentiate the same equations op by op instead, from the inputs.
+            return _differentiable_backward((q, k, v, beta, S0, D, fs, te, total), d_out, d_S)
         B, H, N, C, Dk, Dv = ctx.shape
         BH, BHN = B * H, B * H * N
+        q3, k3, v3, b3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta))
         gated = ctx.gated
         dO = U.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = S_before.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
@@ -201,6 +205,21 @@ class _WYChunk(torch.autograd.Function):
         shape = (B, H, N, C)
         return (dq.view(*shape, Dk), dk.view(*shape, Dk), dv.view(*shape, Dv), d_beta.view(*shape, 1), dS0,
                 dD_out, d_fs, d_te, d_tot)
+
+
+def _differentiable_backward(inputs, d_out, d_S):
+    """The backward pass as autograd's graph of :func:`_forward`, so that it can be differentiated again."""
+    leaves = [None if x is None else (x if x.requires_grad else x.detach().requires_grad_()) for x in inputs]
+    with torch.enable_grad():
+        out, S, _ = _forward(*leaves)
+    present = [i for i, x in enumerate(leaves) if x is not None]
+    grads_out = [g for g in (d_out, d_S) if g is not None]
+    outs = [o for o, g in zip((out, S), (d_out, d_S)) if g is not None]
+    grads = torch.autograd.grad(outs, [leaves[i] for i in present], grads_out, create_graph=True, allow_unused=True)
+    result = [None] * len(leaves)
+    for i, g in zip(present, grads):
+        result[i] = torch.zeros_like(leaves[i]) if g is None else g
+    return tuple(result)
 
 
 def _dual(t: Optional[Tensor]) -> bool:

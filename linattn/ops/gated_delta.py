@@ -74,8 +74,8 @@ def gated_delta_rule(
     and ``C = 64``). Forward and backward work for ragged ``T``; float16/bfloat16 inputs
     compute in float32 with a float32 state. With one gate per head the chunk form runs as
     ``U = Ũ − W S``, ``O = Q̃ S + P U``, ``S' = e^{b_C} S + K̂ᵀ U`` with a hand-written backward
-    (:mod:`linattn.ops._wy`; autograd differentiates only the decay factors; second
-    derivatives raise a RuntimeError, use ``method="recurrent"``); per key channel, autograd
+    (:mod:`linattn.ops._wy`; autograd differentiates only the decay factors, and the whole chunk
+    form op by op for second derivatives and under ``torch.func``); per key channel, autograd
     differentiates the chunk form op by op.
 
     Parameters
