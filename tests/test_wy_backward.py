@@ -82,7 +82,7 @@ def test_float32_gradients_have_float32_accuracy_like_op_by_op_autograd(gated, m
     truth = _grads(xs64, "recurrent", 32, gated)
     xs = [x.detach().float().requires_grad_() for x in xs64]
     got = _grads(xs, "chunk", 32, gated)
-    monkeypatch.setattr(_wy._WYChunk, "apply", lambda *a: _wy._forward(*a)[:2])
+    monkeypatch.setattr(_wy._WYChunk, "apply", _wy._forward)
     ref = _grads(xs, "chunk", 32, gated)
     for name, a, b, t in zip(["out", "S", "dq", "dk", "dv", "dbeta", "dS0", "dlog_g"], got, ref, truth):
         scale = t.abs().max().item()

@@ -11,7 +11,6 @@ recalled 22 % of 4 pairs.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -36,7 +36,7 @@ from .._numerics import compiling
 
 
 def _forward(q, k, v, beta, S0, D, from_start, to_end, total):
-    """The chunk form's forward pass: ``(out, S_final)`` and what the backward pass needs.
+    """The chunk form's forward pass, op by op (differentiable by autograd): ``(out, S_final)``.
 
     ``q, k`` ``(B, H, N, C, Dk)``, ``v`` ``(…, C, Dv)``, ``beta`` ``(…, C, 1)``, ``S0`` ``(B, H, Dk, Dv)``;
     the decays ``D`` ``(…, C, C)``, ``from_start``, ``to_end`` ``(…, C, 1)``, ``total`` ``(B, H, N, 1, 1)``
@@ -54,21 +54,15 @@ def _forward(q, k, v, beta, S0, D, from_start, to_end, total):
     W, Ut = X[..., :Dk], X[..., Dk:]
     k_end = (k * to_end if gated else k).transpose(-1, -2)                   # (…, Dk, C)
     S, before, Us = S0, [], []
-    if gated:
-        for W_n, Ut_n, ke_n, tot_n in zip(W.unbind(2), Ut.unbind(2), k_end.unbind(2), total.unbind(2)):
-            before.append(S)
-            U_n = Ut_n - W_n @ S
-            Us.append(U_n)
-            S = tot_n * S + ke_n @ U_n
-    else:
-        for W_n, Ut_n, ke_n in zip(W.unbind(2), Ut.unbind(2), k_end.unbind(2)):
-            before.append(S)
-            U_n = Ut_n - W_n @ S
-            Us.append(U_n)
-            S = S + ke_n @ U_n
+    totals = total.unbind(2) if gated else [None] * k.shape[2]
+    for W_n, Ut_n, ke_n, tot_n in zip(W.unbind(2), Ut.unbind(2), k_end.unbind(2), totals):
+        before.append(S)
+        U_n = Ut_n - W_n @ S                                                  # U = Ũ − W S
+        Us.append(U_n)
+        S = (S if tot_n is None else tot_n * S) + ke_n @ U_n
     S_before, U = torch.stack(before, dim=2), torch.stack(Us, dim=2)        # (B, H, N, Dk, Dv), (…, C, Dv)
     out = (q * from_start if gated else q) @ S_before + P @ U
-    return out, S, (QK, KK, M, X, U, S_before)
+    return out, S
 
 
 def _unit_lower_inverse(M: Tensor) -> Tensor:
@@ -211,7 +205,7 @@ def _differentiable_backward(inputs, d_out, d_S):
     """The backward pass as autograd's graph of :func:`_forward`, so that it can be differentiated again."""
     leaves = [None if x is None else (x if x.requires_grad else x.detach().requires_grad_()) for x in inputs]
     with torch.enable_grad():
-        out, S, _ = _forward(*leaves)
+        out, S = _forward(*leaves)
     present = [i for i, x in enumerate(leaves) if x is not None]
     grads_out = [g for g in (d_out, d_S) if g is not None]
     outs = [o for o, g in zip((out, S), (d_out, d_S)) if g is not None]
@@ -236,6 +230,5 @@ def wy_chunk(q, k, v, beta, S0, D=None, from_start=None, to_end=None, total=None
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     if (not needs_grad or compiling() or torch._C._are_functorch_transforms_active()
             or any(_dual(t) for t in inputs)):
-        out, S, _ = _forward(*inputs)
-        return out, S
+        return _forward(*inputs)
     return _WYChunk.apply(*inputs)
