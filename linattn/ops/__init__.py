@@ -29,14 +29,15 @@ the ``(Dk, Dv)`` state from one chunk to the next is a loop (``T/C`` steps,
 :func:`linattn.ops._common.scan`). Decays enter only as ``exp`` of *non-positive* numbers (or
 as non-negative integer powers ``γ^m``, or products of such factors): with ``b_t`` the
 cumulative log-decay inside a chunk, the factors are ``exp(b_t − b_s)`` for ``s <= t``,
-``exp(b_t)`` and ``exp(b_C − b_s)``, each computed from the terms of its own range
-(:class:`linattn.ops._common.SegmentSums`), never as a difference. A decay strong enough to
+``exp(b_t)`` and ``exp(b_C − b_s)``, each computed from the terms of its own range (a range
+sum of log-gates, or a product of gates over disjoint sub-ranges, :mod:`linattn.ops._decay`),
+never as a difference. A decay strong enough to
 underflow gives zeros, never ``inf`` or NaN (a chunkwise form that writes
 ``exp(b_t) · exp(−b_s)`` overflows for per-token decays of ``e^-3`` at ``C = 64``).
 
 The shared pieces (validation, chunking, the scan between chunks, range sums of log-gates)
 live in :mod:`linattn.ops._common`; the delta rule and the gated delta rule with one gate per
-head share one chunk form with a hand-written backward, :mod:`linattn.ops._wy` (the others are
-differentiated by autograd through their chunk forms, plain linear attention by its own
-Function); every public function is exported from :mod:`linattn`.
+head share one chunk form with a hand-written backward, :mod:`linattn.ops._wy`; GLA has one in
+:mod:`linattn.ops._decay` (the others are differentiated by autograd through their chunk forms,
+plain linear attention by its own Function); every public function is exported from :mod:`linattn`.
 """

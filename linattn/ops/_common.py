@@ -173,61 +173,14 @@ def num_chunks(T: int, chunk_size: int) -> tuple[int, int]:
     return C, -(-T // C)
 
 
-class SegmentSums:
-    """0/1 matrices that sum log-gates over index ranges, by matmul along the token axis.
-
-    A matmul with a 0/1 matrix adds exactly the terms of each range (the zeros add
-    nothing), so every range sum is computed from its own terms: exact to rounding, with
-    no difference of two cumulative sums, and an empty range is a constant 0 that does
-    not depend on the gates (so no gradient flows through a factor of exactly 1). This is
-    the "segsum" of Mamba-2 (Dao & Gu, 2024), written as matmuls, which on the CPU run
-    several times faster than a cumulative sum along a strided axis.
-
-    With ``L`` tokens per sub-chunk, ``n`` sub-chunks and ``Cp = n·L`` tokens per chunk:
-
-    - ``inclusive`` ``(L, L)``: ``r <= t``; ``after`` ``(L, L)``: ``r > s`` (to the sub-chunk's end);
-    - ``between`` ``(n·n, n)``: row ``(i, j)`` sums the sub-chunks ``m`` with ``j < m < i``;
-    - ``earlier`` ``(n, n, 1, 1)`` 0/1: ``j < i``;
-    - ``earlier_total`` ``(n, n)``: sub-chunks ``m < i``; ``later_total`` ``(n, n)``: ``m > j``;
-    - ``earlier_tokens`` ``(n·L, n·L)`` 0/1: the sub-chunk of ``s`` is before that of ``t``.
-    """
-
-    def __init__(self, L: int, n: int, dtype: torch.dtype, device) -> None:
-        def tri(size: int, diagonal: int, upper: bool = False) -> Tensor:
-            ones = torch.ones(size, size, dtype=dtype, device=device)
-            return ones.triu(diagonal) if upper else ones.tril(diagonal)
-
-        self.inclusive = tri(L, 0)
-        self.after = tri(L, 1, upper=True)
-        i, j, m = (torch.arange(n, device=device).view(*shape) for shape in ((n, 1, 1), (1, n, 1), (1, 1, n)))
-        self.between = ((j < m) & (m < i)).to(dtype).view(n * n, n)
-        self.earlier = (j < i).to(dtype).view(n, n, 1, 1)
-        self.earlier_total = tri(n, -1)
-        self.later_total = tri(n, 1, upper=True)
-        # (n·L, n·L) 0/1: token s lies in an earlier sub-chunk than token t (the off-diagonal blocks)
-        self.earlier_tokens = self.earlier.view(n, n).repeat_interleave(L, 0).repeat_interleave(L, 1)
-
-
-def subchunk_length(C: int) -> int:
-    """Sub-chunk length ``L`` of the per-channel gated chunk forms (GLA, gated delta): ``min(C, 16)``.
-
-    Each sub-chunk builds its ``(L, L)`` scores row by row (``~L/2 · Dk`` products per
-    token), pairs of sub-chunks of a chunk a ``(C/L, C, Dk)`` tensor per chunk (``(C/L) · Dk``
-    per token). Measured for GLA on CPU (1 thread, T = 4096, H = 4, D = 64) at ``C = 64``:
-    ``L = 16`` forward 40 ms, ``8`` 45 ms, ``32`` 50 ms, ``4`` 98 ms; forward+backward 155, 196,
-    206 and 274 ms.
-    """
-    return min(C, 16)
-
-
-# The per-channel chunk forms clamp log-gates from below at this value before summing them
-# over ranges. Without the clamp, float32 sums of accepted log-gates such as -1e38 overflow
-# to -inf, and the 0/1 range-sum matmuls (SegmentSums) then form -inf · 0 = NaN. Why -1000:
+# The gated chunk forms clamp log-gates from below at this value before using them. Without
+# the clamp, float32 sums of accepted log-gates such as -1e38 overflow to -inf (the scalar
+# gates' range sums), and -inf · 0 = NaN in a masked product. Why -1000:
 # - exp(-1000) is exactly 0 in float32 (exp underflows to 0 below about -103.97, subnormals
 #   included) and in float64 (below about -745.13), the two dtypes the chunk forms compute in.
-#   Every exponent is a sum of non-positive log-gates, and rounding is monotone, so a range
-#   that holds a clamped entry sums to <= -1000 with or without the clamp: its factor is
-#   exactly 0 either way. The result is bit-identical to the unclamped computation whenever
+#   Every factor is exp of a sum of non-positive log-gates, or a product of such exps, and
+#   rounding is monotone, so a range that holds a clamped entry has the factor exactly 0
+#   with or without the clamp. The result is bit-identical to the unclamped computation whenever
 #   that one did not overflow, i.e. for every realistic input.
 # - A sum of C entries >= -1000 is >= -1000·C, finite in float32 for any C < 3.4e35: no
 #   chunk length can overflow it.
@@ -236,74 +189,16 @@ def subchunk_length(C: int) -> int:
 LOG_G_FLOOR = -1000.0
 
 
-class ChunkDecay:
-    """The decay factors of a chunk with per-channel log-gates, every one an exp of a range sum <= 0.
-
-    ``g`` is ``(B, H, N, Cp, Dk)``: log-gates of ``N`` chunks of ``Cp = n·L`` tokens (``n``
-    sub-chunks of ``L``), or ``(…, Cp, 1)`` for one gate per head (broadcast over channels).
-    With ``b`` the cumulative log-gate, the attributes are (``t``, ``s`` tokens of a chunk):
-
-    - ``from_start`` ``(…, Cp, Dk)``: ``exp(b_t − b_start)``, the decay from the chunk's start
-      to ``t`` (inclusive of ``t``): what a query reading the chunk's start state carries;
-    - ``to_end`` ``(…, Cp, Dk)``: ``exp(b_end − b_s)``, from ``s`` (exclusive) to the chunk's end:
-      what a key entering the next state carries;
-    - ``total`` ``(…, Dk)``: ``exp(b_end − b_start)``, the decay of the whole chunk;
-
-    and :meth:`scores` forms ``A[t, s] = Σ_d x_td y_sd exp(b_td − b_sd)`` for ``s <= t``.
-    Each factor is a product of exps of sums over disjoint ranges (from the query's sub-chunk
-    start, the totals of the sub-chunks in between, to the key's sub-chunk end), each sum
-    computed from its own terms by :class:`SegmentSums`; inside a sub-chunk the factors are
-    products of the gates ``exp(g_r) <= 1``, built row by row.
-    """
-
-    def __init__(self, g: Tensor, L: int) -> None:
-        *lead, Cp, Dk = g.shape
-        self.L, self.n = L, Cp // L
-        self.sums = sums = SegmentSums(L, self.n, g.dtype, g.device)
-        self.g_s = g_s = g.reshape(*lead, self.n, L, Dk)                          # (…, n, L, Dk)
-        self.incl = (sums.inclusive @ g_s).exp()                                  # (…, n, L, Dk): from sub-chunk start
-        self.after = (sums.after @ g_s).exp()                                     # (…, n, L, Dk): to sub-chunk end
-        self.totals = totals = g_s.sum(-2)                                        # (…, n, Dk)
-        start = (sums.earlier_total @ totals).exp().unsqueeze(-2)                 # (…, n, 1, Dk)
-        end = (sums.later_total @ totals).exp().unsqueeze(-2)                     # (…, n, 1, Dk)
-        self.from_start = (self.incl * start).reshape(*lead, Cp, Dk)
-        self.to_end = (self.after * end).reshape(*lead, Cp, Dk)
-        self.total = totals.sum(-2).exp()                                         # (…, Dk)
-        self.pair = None
-        if self.n > 1:                                # [i, j]: exp(Σ of the sub-chunks strictly between)
-            between = (sums.between @ totals).reshape(*lead, self.n, self.n, 1, Dk)
-            self.pair = between.exp() * sums.earlier                              # (…, n(i), n(j), 1, Dk)
-
-    def scores(self, x: Tensor, y: Tensor, *, strict: bool = False) -> Tensor:
-        """``(…, Cp, Cp)``: ``Σ_d x_td y_sd exp(b_td − b_sd)`` for ``s <= t`` (``s < t`` if ``strict``), else 0.
-
-        ``x``, ``y`` are ``(…, Cp, Dk)``, finite. The entries above the diagonal are exact zeros,
-        never products with later tokens' values (which could overflow).
-        """
-        *lead, Cp, Dk = x.shape
-        n, L = self.n, self.L
-        x_s, y_s = x.reshape(*lead, n, L, Dk), y.reshape(*lead, n, L, Dk)
-        # Diagonal sub-chunk blocks, row by row: W_t = [W_{t-1} ⊙ g_t ; y_t] holds the keys s <= t
-        # of the sub-chunk decayed to t, y_s ⊙ Π_{s<r<=t} exp(g_r) (a product of the gates in the
-        # range, each <= 1: no exp of a positive number, no difference of sums). Row t is W_t x_t.
-        # (The tokens are split with unbind once: slicing inside the loop would make autograd
-        # write a zero tensor of the full size for every slice in the backward pass.)
-        gates, y_t, x_t = (z.unsqueeze(-2).unbind(-3) for z in (self.g_s.exp(), y_s, x_s))
-        W = y_t[0]                                                                # (…, n, 1, Dk)
-        rows = [F.pad((W * x_t[0]).sum(-1), (0, L - 1))]                          # (…, n, L)
-        for t in range(1, L):
-            W = torch.cat([W * gates[t], y_t[t]], dim=-2)                         # (…, n, t+1, Dk)
-            rows.append(F.pad((W * x_t[t]).sum(-1), (0, L - 1 - t)))
-        diag = torch.stack(rows, dim=-2)                                          # (…, n, L(t), L(s))
-        if strict:
-            diag = diag.masked_fill(torch.eye(L, dtype=torch.bool, device=x.device), 0.0)
-        eye_n = torch.eye(n, dtype=torch.bool, device=x.device).view(n, 1, n, 1)
-        A = torch.where(eye_n, diag.unsqueeze(-2), 0.0)                           # (…, n, L, n, L) block diagonal
-        if n > 1:
-            # Blocks between sub-chunks (key in sub-chunk j < i): x ⊙ from-sub-chunk-start times
-            # y ⊙ to-sub-chunk-end times the sub-chunks in between.
-            x_rel = x_s * self.incl                                               # (…, n, L, Dk)
-            y_rel = ((y_s * self.after).unsqueeze(-4) * self.pair)                # (…, n(i), n(j), L, Dk)
-            off = x_rel @ y_rel.reshape(*lead, n, n * L, Dk).transpose(-1, -2)    # (…, n(i), L, n·L)
-            A = A + off.reshape(*lead, n, L, n, L)
-        return A.reshape(*lead, Cp, Cp)
+def differentiable_backward(forward, inputs, d_out, d_S):
+    """The backward pass of ``forward(*inputs) -> (out, S)`` as autograd's graph, so that it can be differentiated again."""
+    leaves = [None if x is None else (x if x.requires_grad else x.detach().requires_grad_()) for x in inputs]
+    with torch.enable_grad():
+        out, S = forward(*leaves)
+    present = [i for i, x in enumerate(leaves) if x is not None]
+    grads_out = [g for g in (d_out, d_S) if g is not None]
+    outs = [o for o, g in zip((out, S), (d_out, d_S)) if g is not None]
+    grads = torch.autograd.grad(outs, [leaves[i] for i in present], grads_out, create_graph=True, allow_unused=True)
+    result = [None] * len(leaves)
+    for i, grad in zip(present, grads):
+        result[i] = torch.zeros_like(leaves[i]) if grad is None else grad
+    return tuple(result)

@@ -24,9 +24,10 @@ from torch import Tensor
 from .. import _checks
 from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
-from ._wy import wy_chunk
-from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
-                      read, run, scan, subchunk_length, to_chunks, zeros_state)
+from ._wy import wy_chunk, wy_chunk_channel
+from ._decay import padded_chunk
+from ._common import (LOG_G_FLOOR, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
+                      read, run, to_chunks, zeros_state)
 
 __all__ = ["gated_delta_rule"]
 
@@ -197,36 +198,16 @@ def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
     B, H, T, Dk = k.shape
     log_g = log_g.clamp(min=LOG_G_FLOOR)                                # see LOG_G_FLOOR
     C, N = num_chunks(T, chunk_size)
-    if per_channel:
-        L = subchunk_length(C)
-        Cp = -(-C // L) * L
-    else:
-        Cp = C
+    Cp = padded_chunk(C) if per_channel else C
 
     def chunks(x: Tensor) -> Tensor:                                    # (B, H, N, Cp, ·)
         x = to_chunks(x, N, C)
         return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
 
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, log_g, beta.unsqueeze(-1)))
-    if per_channel:
-        decay = ChunkDecay(gc, L)
-        P = decay.scores(qc, kc)                                        # (B, H, N, Cp, Cp), s <= t
-        A = decay.scores(kc, kc, strict=True)                           # s < t
-        from_start, to_end, total = decay.from_start, decay.to_end, decay.total.unsqueeze(-1)  # (…, Dk, 1)
-    else:                                                               # one gate per head: linattn.ops._wy
-        D, from_start, to_end, total = _scalar_decay(gc)
-        out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0), D, from_start, to_end, total.unsqueeze(-1))
-        return from_chunks(out, T), S
-    eye = torch.eye(Cp, dtype=q.dtype, device=q.device)
-    T_mat = eye + bc * A                                                # I + diag(β) A, unit lower
-    rhs = torch.cat([bc * (kc * from_start), bc * vc], dim=-1)          # diag(β) [K̃, V]
-    sol = torch.linalg.solve_triangular(T_mat, rhs, upper=False, unitriangular=True)
-    W, U_tilde = sol[..., :Dk], sol[..., Dk:]                           # (…, Cp, Dk), (…, Cp, Dv)
-    PW, PU = P @ W, P @ U_tilde
-    k_end = (kc * to_end).transpose(-1, -2)                             # K̂ᵀ (…, Dk, Cp)
-    eye_k = torch.eye(Dk, dtype=q.dtype, device=q.device)
-    transition = eye_k * total - k_end @ W                              # diag(e^{b_C}) − K̂ᵀ W, (…, Dk, Dk)
-    G = k_end @ U_tilde                                                 # K̂ᵀ Ũ, (…, Dk, Dv)
-    S_before, S = scan(zeros_state(k, v, S0), lambda S, tr, g: tr @ S + g, transition, G)
-    out = PU + (qc * from_start - PW) @ S_before                        # (B, H, N, Cp, Dv)
-    return from_chunks(out[:, :, :, :C], T), S
+    if per_channel:                                                     # linattn.ops._wy with linattn.ops._decay
+        out, S = wy_chunk_channel(qc, kc, vc, bc, zeros_state(k, v, S0), gc)
+        return from_chunks(out[:, :, :, :C], T), S
+    D, from_start, to_end, total = _scalar_decay(gc)                    # one gate per head: linattn.ops._wy
+    out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0), D, from_start, to_end, total.unsqueeze(-1))
+    return from_chunks(out, T), S

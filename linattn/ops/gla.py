@@ -1,8 +1,8 @@
 """Gated linear attention (GLA): a data-dependent decay for every key dimension and token.
 
 ``S_t = diag(g_t) S_{t-1} + φ(k_t) v_tᵀ``, ``o_t = S_tᵀ φ(q_t)`` (Yang, Wang, Shen, Panda & Kim,
-2024, arXiv:2312.06635). The recurrent form is the oracle; the chunk form uses sub-chunks and
-range sums of the log-gates (every exponent <= 0).
+2024, arXiv:2312.06635). The recurrent form is the oracle; the chunk form halves each chunk
+into blocks whose decays are products of gates (never a quotient of cumulative decays).
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _checks
-from ._common import (LOG_G_FLOOR, ChunkDecay, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
-                      read, run, scan, subchunk_length, to_chunks, zeros_state)
+from ._decay import gla_chunk, padded_chunk
+from ._common import (LOG_G_FLOOR, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
+                      read, run, to_chunks, zeros_state)
 from .._numerics import no_autocast
 from ..feature_maps import FeatureMap
 
@@ -46,15 +47,19 @@ def gated_linear_attention(
     exact: ``log_g = -27.6`` (``g = 1e-12``) is fine. ``log_g = 0`` everywhere gives
     unnormalised causal linear attention.
 
-    The chunk form splits each chunk into sub-chunks of ``L = min(C, 16)`` tokens. Inside a
-    sub-chunk the decay between key ``s`` and query ``t`` is the product of the gates
-    ``g_r = exp(log_g_r)`` for ``s < r <= t``, built row by row. Across sub-chunks and chunks
-    it is a product of exps of range sums over disjoint ranges, ``exp(b_t − b_s) =
-    exp(Σ_{r_i<r<=t}) · exp(Σ of the sub-chunks in between) · exp(Σ_{s<r<=e_j})``, every
-    exponent ``<= 0``. Every range sum is computed from its own terms, never as a difference
-    of cumulative sums, so the gradient of a strongly decaying gate keeps its relative
-    accuracy. Memory of the forward pass is about ``B·H·T·Dk·(L/2 + C/L + 4)`` numbers besides
-    the inputs (and ``B·H·(T/C)·Dk·Dv`` for the chunk states).
+    The chunk form (``method="chunk"``) works on chunks of ``C`` tokens rounded up to a power
+    of two (the padding changes nothing). Inside a chunk the decay between key ``s`` and query
+    ``t`` is the product of the gates ``g_r`` for ``s < r <= t``; the chunk is halved down to
+    single tokens, and the queries of each block's later half meet the keys of its earlier half
+    in one matmul, ``(q ⊙ Π_{h<=r<=t} g_r)(k ⊙ Π_{s<r<h} g_r)ᵀ`` with ``h`` the later half's
+    first token (:mod:`linattn.ops._decay`). Every factor is a product of gates ``<= 1`` over
+    its own range, never a quotient of cumulative decays, so a strong decay underflows to 0
+    instead of overflowing, and the gradient of a strongly decaying gate keeps its relative
+    accuracy. The backward pass is written by hand; it stores the scores (``C`` numbers per
+    token), the decays from and to the chunk's ends and the chunk start states
+    (``B·H·(T/C)·Dk·Dv``) and recomputes each level's products. For second derivatives
+    (``create_graph=True``), ``torch.func`` transforms, forward-mode AD and ``torch.compile``,
+    autograd differentiates the same equations op by op.
 
     Parameters
     ----------
@@ -111,40 +116,21 @@ def _gla_recurrent(q, k, v, log_g, S0):
 
 
 def _gla_chunk(q, k, v, log_g, S0, chunk_size):
-    """Chunkwise GLA with sub-chunks (see :func:`gated_linear_attention`).
+    """Chunkwise GLA (see :func:`gated_linear_attention` and :mod:`linattn.ops._decay`).
 
-    Each chunk is zero-padded to a multiple ``Cp`` of the sub-chunk length ``L``: padded
-    tokens have ``k = v = q = 0`` and ``log_g = 0`` (no decay), so they change nothing.
-
-    Every decay factor is a product of the gates ``g_r`` between two tokens (inside a
-    sub-chunk), or of exps of *sums* of the log-gates over disjoint ranges, each computed
-    directly as such (:class:`linattn.ops._common.ChunkDecay`), never as the difference
-    ``b_t − b_s`` of two cumulative sums. So every exponent is ``<= 0``; a factor of exactly
-    1 (``s = t``, or the token just before a boundary) does not depend on ``log_g`` at all;
-    and the gradient of ``log_g`` is a sum of terms that each carry their decay factor, with
-    no cancellation of large terms (a difference of cumulative sums makes the gradient of a
-    gate of ``1e-12`` pure rounding noise in float32). A product of such factors may
-    underflow to 0 where the exact value is below float32's range; so would the exact factor.
-
-    Per chunk: ``O = A V + (Q ⊙ from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``,
-    with ``A`` the decayed causal scores. Python loops: ``L`` rows and ``T/C`` chunk states
-    (split with ``unbind``, see :func:`linattn.ops._common.scan`).
+    Each chunk is zero-padded to ``Cp``, a power of two: padded tokens have ``k = v = q = 0``
+    and ``log_g = 0`` (no decay), so they change nothing. Per chunk: ``O = A V + (Q ⊙
+    from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``, with ``A`` the decayed causal scores.
     """
     B, H, T, Dk = k.shape
     log_g = log_g.clamp(min=LOG_G_FLOOR)                               # see LOG_G_FLOOR
     C, N = num_chunks(T, chunk_size)
-    L = subchunk_length(C)
-    Cp = -(-C // L) * L
+    Cp = padded_chunk(C)
 
     def chunks(x: Tensor) -> Tensor:                                   # (B, H, N, Cp, ·)
         x = to_chunks(x, N, C)
         return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
 
     qc, kc, vc, gc = (chunks(x) for x in (q, k, v, log_g))
-    decay = ChunkDecay(gc, L)
-    A = decay.scores(qc, kc)                                           # (B, H, N, Cp, Cp)
-    out = A @ vc                                                       # (B, H, N, Cp, Dv)
-    U = (kc * decay.to_end).transpose(-1, -2) @ vc                     # (B, H, N, Dk, Dv)
-    S_before, S = scan(zeros_state(k, v, S0), lambda S, d, u: d * S + u, decay.total.unsqueeze(-1), U)
-    out = out + (qc * decay.from_start) @ S_before                     # (B, H, N, Cp, Dv)
+    out, S = gla_chunk(qc, kc, vc, gc, zeros_state(k, v, S0))
     return from_chunks(out[:, :, :, :C], T), S
