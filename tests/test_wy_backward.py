@@ -1,4 +1,4 @@
-"""The hand-written backward of the WY chunk form (delta rule, gated delta rule with one gate per head).
+"""The hand-written backward of the WY chunk form (delta rule; gated delta rule with one gate per head, and per key channel).
 
 References: the token-by-token recurrence (``method="recurrent"``) differentiated by autograd,
 in float64; and the same chunk equations differentiated op by op by autograd (the path
@@ -22,7 +22,8 @@ def _inputs(B, H, T, D, Dv, seed, beta_max=2.0, gated=False):
     v = torch.randn(B, H, T, Dv, generator=g, dtype=torch.float64)
     beta = torch.rand(B, H, T, generator=g, dtype=torch.float64) * beta_max
     S0 = torch.randn(B, H, D, Dv, generator=g, dtype=torch.float64)
-    log_g = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float64) + 1)
+    shape = (B, H, T, D) if gated == "channel" else (B, H, T)
+    log_g = F.logsigmoid(torch.randn(*shape, generator=g, dtype=torch.float64) + 1)
     xs = [q, k, v, beta, S0] + ([log_g] if gated else [])
     return [x.requires_grad_() for x in xs]
 
@@ -46,7 +47,7 @@ def _grads(xs, method, chunk_size, gated, use=("out", "state")):
 
 
 @settings(max_examples=25, deadline=None)
-@given(T=st.integers(1, 40), chunk=st.sampled_from([1, 3, 8, 16, 64]), gated=st.booleans(),
+@given(T=st.integers(1, 40), chunk=st.sampled_from([1, 3, 8, 16, 64]), gated=st.sampled_from([False, True, "channel"]),
        seed=st.integers(0, 2**16), use=st.sampled_from([("out",), ("state",), ("out", "state")]))
 def test_gradients_match_the_recurrence_in_float64(T, chunk, gated, seed, use):
     xs = _inputs(2, 2, T, 5, 3, seed, gated=gated)
@@ -56,7 +57,7 @@ def test_gradients_match_the_recurrence_in_float64(T, chunk, gated, seed, use):
         torch.testing.assert_close(a, b, **F64, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated", [False, True, "channel"])
 def test_the_hand_written_backward_is_the_one_used(gated):
     """Outside torch.func the chunk form's graph is one node of the Function, not op-by-op autograd."""
     xs = _inputs(1, 2, 20, 4, 3, 0, gated=gated)
@@ -69,11 +70,11 @@ def test_the_hand_written_backward_is_the_one_used(gated):
         seen.add(fn)
         names.add(type(fn).__name__)
         stack.extend(f for f, _ in fn.next_functions)
-    assert "_WYChunkBackward" in names
+    assert ("_WYChannelChunkBackward" if gated == "channel" else "_WYChunkBackward") in names
     assert "LinalgSolveTriangularBackward0" not in names
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated", [False, True, "channel"])
 def test_float32_gradients_have_float32_accuracy_like_op_by_op_autograd(gated, monkeypatch):
     """Against float64 truth, float32 outputs and gradients have float32 accuracy: the largest error
     relative to the largest entry stays below 2e-6 (about 30 units of float32 rounding; measured:
@@ -83,6 +84,7 @@ def test_float32_gradients_have_float32_accuracy_like_op_by_op_autograd(gated, m
     xs = [x.detach().float().requires_grad_() for x in xs64]
     got = _grads(xs, "chunk", 32, gated)
     monkeypatch.setattr(_wy._WYChunk, "apply", _wy._forward)
+    monkeypatch.setattr(_wy._WYChannelChunk, "apply", _wy._forward_channel)
     ref = _grads(xs, "chunk", 32, gated)
     for name, a, b, t in zip(["out", "S", "dq", "dk", "dv", "dbeta", "dS0", "dlog_g"], got, ref, truth):
         scale = t.abs().max().item()
@@ -101,7 +103,7 @@ def test_edge_writing_strengths(beta):
         torch.testing.assert_close(a, b, **F64)
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated", [False, True, "channel"])
 def test_second_derivatives_match_the_recurrence(gated):
     """create_graph=True: the backward differentiates the chunk equations through autograd, so a
     second derivative is right (found by a new-user test: with stored intermediates as constants,
@@ -127,7 +129,7 @@ def test_second_derivatives_match_the_recurrence(gated):
         torch.testing.assert_close(*got, **F64)
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated", [False, True, "channel"])
 def test_torch_func_grad_and_jvp_still_work(gated):
     xs = _inputs(1, 2, 14, 4, 3, 7, gated=gated)
     q, rest = xs[0].detach(), [x.detach() for x in xs[1:]]
@@ -143,10 +145,11 @@ def test_torch_func_grad_and_jvp_still_work(gated):
     torch.testing.assert_close(jc, jr, **F64)
 
 
-def test_inputs_and_initial_state_are_not_modified():
-    xs = _inputs(1, 2, 19, 4, 3, 9, gated=True)
+@pytest.mark.parametrize("gated", [True, "channel"])
+def test_inputs_and_initial_state_are_not_modified(gated):
+    xs = _inputs(1, 2, 19, 4, 3, 9, gated=gated)
     before = [x.detach().clone() for x in xs]
-    _grads(xs, "chunk", 8, True)
+    _grads(xs, "chunk", 8, gated)
     for x, b in zip(xs, before):
         assert torch.equal(x.detach(), b)
 
@@ -157,3 +160,15 @@ def test_unit_lower_inverse(C):
     M = (torch.randn(3, C, C, generator=g, dtype=torch.float64) * 0.3).tril(-1) + torch.eye(C, dtype=torch.float64)
     torch.testing.assert_close(_wy._unit_lower_inverse(M) @ M, torch.eye(C, dtype=torch.float64).expand(3, C, C),
                                rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("numbers", [1, 4096, 1 << 30])
+def test_per_channel_groups_of_chunks_give_the_same_result(numbers, monkeypatch):
+    """The per-channel form's passes over groups of chunks (one chunk per group, a ragged last group, one group)."""
+    from linattn.ops import _decay
+    xs = _inputs(2, 3, 150, 8, 4, 5, gated="channel")
+    ref = _grads(xs, "recurrent", 32, "channel")
+    monkeypatch.setattr(_decay, "GROUP_NUMBERS", numbers)
+    got = _grads(xs, "chunk", 32, "channel")
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **F64)
