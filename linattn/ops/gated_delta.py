@@ -66,18 +66,18 @@ def gated_delta_rule(
     diag(e^{b_t − b_s}) k_s u_sᵀ``. The pseudo-values solve the unit lower-triangular system
     ``(I + diag(β) A) U = diag(β) (V − K̃ S)`` with ``A_ts = k_tᵀ diag(e^{b_t − b_s}) k_s``
     (``s < t``) and ``K̃_t = e^{b_t} ⊙ k_t``, so ``U = Ũ − W S`` with ``[W, Ũ] = (I + diag(β)
-    A)⁻¹ diag(β) [K̃, V]`` (one ``torch.linalg.solve_triangular``, all chunks at once). Then
-    ``O = (Q̃ − P W) S + P Ũ`` with ``P_ts = q_tᵀ diag(e^{b_t − b_s}) k_s`` (``s <= t``) and
-    ``Q̃_t = e^{b_t} ⊙ q_t``, and the next chunk starts from ``(diag(e^{b_C}) − K̂ᵀ W) S +
-    K̂ᵀ Ũ`` with ``K̂_s = e^{b_C − b_s} ⊙ k_s``. Every exponent is a sum of log-gates over its
-    own range, ``<= 0``: a decay strong enough to underflow gives zeros, never ``inf``/NaN
-    (reference code that forms ``e^{b_t} · e^{−b_s}`` overflows at ``log α = −3`` per token
-    and ``C = 64``). Forward and backward work for ragged ``T``; float16/bfloat16 inputs
-    compute in float32 with a float32 state. With one gate per head the chunk form runs as
-    ``U = Ũ − W S``, ``O = Q̃ S + P U``, ``S' = e^{b_C} S + K̂ᵀ U`` with a hand-written backward
-    (:mod:`linattn.ops._wy`; autograd differentiates only the decay factors, and the whole chunk
-    form op by op for second derivatives and under ``torch.func``); per key channel, autograd
-    differentiates the chunk form op by op.
+    A)⁻¹ diag(β) [K̃, V]`` (all chunks at once). Then ``O = Q̃ S + P U`` with ``P_ts = q_tᵀ
+    diag(e^{b_t − b_s}) k_s`` (``s <= t``) and ``Q̃_t = e^{b_t} ⊙ q_t``, and the next chunk starts
+    from ``diag(e^{b_C}) S + K̂ᵀ U`` with ``K̂_s = e^{b_C − b_s} ⊙ k_s``: only ``W S`` and ``K̂ᵀ U``
+    run chunk after chunk. Every decay factor is computed over its own range (a sum of log-gates
+    per head; a product of gates per key channel, :mod:`linattn.ops._decay`), ``<= 1``: a decay
+    strong enough to underflow gives zeros, never ``inf``/NaN (reference code that forms
+    ``e^{b_t} · e^{−b_s}`` overflows at ``log α = −3`` per token and ``C = 64``). Forward and
+    backward work for ragged ``T``; float16/bfloat16 inputs compute in float32 with a float32
+    state. The backward pass is written by hand (:mod:`linattn.ops._wy`; with one gate per head
+    autograd differentiates only the decay factors); for second derivatives, under ``torch.func``
+    and ``torch.compile`` and with forward-mode AD autograd differentiates the same equations op
+    by op. Per key channel the chunk holds ``chunk_size`` rounded up to a power of two tokens.
 
     Parameters
     ----------
