@@ -161,3 +161,27 @@ def test_property_future_positions_never_change_earlier_outputs(T, C, t, which, 
     calls += [lambda q, k, v, f=f: f(q, k, v, "chunk") for f in decay.values()]
     for run in calls:
         _check_earlier_unchanged(run, q, k, v, t, which, value, where="after")
+
+
+@pytest.mark.parametrize("variant", ["delta", "gated per head", "gated per channel"])
+def test_finite_inputs_that_overflow_inside_the_chunk_form_stay_causal(variant):
+    """Unnormalised keys with β = 2 make the delta rule diverge: in float32 the recurrence reaches
+    inf at some position. The chunk form's later infinities would reach earlier rows through the
+    zeros of its causal masks (found by a new-user test: every output NaN from position 0); the
+    chunk method now gives the recurrent form's outputs, finite before the divergence."""
+    torch.manual_seed(0)
+    B, H, T, D = 1, 1, 64, 8
+    q, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    k = 3 * torch.randn(B, H, T, D)
+    beta = torch.full((B, H, T), 2.0)
+    if variant == "delta":
+        run = lambda m: linattn.delta_rule(q, k, v, beta, method=m, chunk_size=64)
+    else:
+        log_g = torch.full((B, H, T, D) if variant.endswith("channel") else (B, H, T), -0.01)
+        run = lambda m: linattn.gated_delta_rule(q, k, v, log_g, beta, method=m, chunk_size=64)
+    rec, chunk = run("recurrent"), run("chunk")
+    finite = torch.isfinite(rec[0, 0]).all(-1)
+    first_bad = int((~finite).nonzero()[0])
+    assert 0 < first_bad < T
+    assert torch.isfinite(chunk[0, 0, :first_bad]).all()
+    torch.testing.assert_close(chunk[0, 0, :first_bad], rec[0, 0, :first_bad], rtol=0, atol=0)

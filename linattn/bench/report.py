@@ -251,25 +251,6 @@ def plot_results(results: Sequence[dict], path: Union[str, os.PathLike]) -> None
 
 def machine_info(device: Union[torch.device, str]) -> dict:
     """Versions, device and CPU facts to store next to the numbers."""
-    from . import __version__
-
-    device = torch.device(device)
-    return {
-        "linattn_version": __version__,
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def machine_info(device: Union[torch.device, str]) -> dict:
-    """Versions, device and CPU facts to store next to the numbers."""
     from .. import __version__
 
     device = torch.device(device)
@@ -286,4 +267,11 @@ def machine_info(device: Union[torch.device, str]) -> dict:
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
     }
+
+
+def _commit():
+    """The git commit of the checkout the package runs from (None outside one), as the studies record it."""
+    from ..experiments import _git_commit
+    return _git_commit()

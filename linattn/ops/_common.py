@@ -114,6 +114,11 @@ def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
             return out, S
     poison = CausalPoison(p.q, p.k, p.v)
     out, S = chunk(poison.q, poison.k, poison.v)
+    if not compiling() and not all_finite(S):
+        # Finite inputs whose chunk form overflowed (a diverging recurrence, e.g. the delta rule
+        # with unnormalised keys): an infinity in a later row would reach earlier rows through the
+        # zeros of the causal masks, so the token loop, causal by construction, gives the answer.
+        return recurrent()
     return poison.outputs(out), poison.state(S)
 
 

@@ -24,7 +24,7 @@ factors whose range holds it of ``d factor ⊙ factor``, is a sum of terms that 
 own decay, with no cancellation of large terms (a difference of cumulative sums makes the
 gradient of a gate of ``1e-12`` rounding noise in float32). This is the "segsum" of Mamba-2
 (Dao & Gu, 2024) organised like the secondary chunking of GLA (Yang, Wang, Shen, Panda & Kim,
-2024, arXiv:2312.06635, sec. 4.2), applied at every scale.
+2024, arXiv:2312.06635), applied at every scale.
 
 GLA's chunk form (:class:`_GLAChunk`) has a hand-written backward pass; under ``torch.func``
 transforms, ``torch.compile`` and forward-mode AD, and for second derivatives, autograd

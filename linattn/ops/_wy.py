@@ -63,18 +63,56 @@ def _solve_and_scan(P, A, qf, kf, ke, v, beta, S0, total):
     return qf @ S_before + P @ U, S
 
 
-def _forward(q, k, v, beta, S0, D, from_start, to_end, total):
-    """The chunk form with one gate per head (or none), op by op: ``(out, S_final)``.
+def scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One gate per head: the decay factors of chunks of log-gates ``g`` ``(…, C, 1)``, every exponent a range sum.
 
-    ``q, k`` ``(B, H, N, C, Dk)``, ``v`` ``(…, C, Dv)``, ``beta`` ``(…, C, 1)``, ``S0`` ``(B, H, Dk, Dv)``;
-    the decays ``D`` ``(…, C, C)``, ``from_start``, ``to_end`` ``(…, C, 1)``, ``total`` ``(B, H, N, 1, 1)``
-    or all None (no gates).
+    Returns ``D`` ``(…, C, C)`` with ``D[t, s] = exp(Σ_{s<r<=t} g_r)`` for ``s <= t`` and 0 above the
+    diagonal, ``from_start`` and ``to_end`` ``(…, C, 1)`` (``exp(Σ_{r<=t})`` and ``exp(Σ_{s<r})``) and
+    the chunk's total decay ``(…, 1, 1)``. The range sums are Mamba-2's "segsum" (Dao & Gu, 2024):
+    column ``s`` holds ``g_r`` for ``r > s`` only and is accumulated down the rows, so each
+    ``Σ_{s<r<=t}`` is summed from its own terms (never a difference of two prefix sums), ``C²``
+    additions per chunk. Differentiable op by op; :func:`scalar_decay_backward` is its gradient.
+    """
+    C = g.shape[-2]
+    r = torch.arange(C, device=g.device)
+    later = r.view(C, 1) > r.view(1, C)                                 # [r, s]: r > s
+    R = g.expand(*g.shape[:-1], C).masked_fill(~later, 0.0).cumsum(dim=-2)   # [t, s] = Σ_{s<r<=t} g_r
+    D = R.exp().masked_fill(~torch.ones(C, C, dtype=torch.bool, device=g.device).tril(), 0.0)
+    ones = torch.ones(C, C, dtype=g.dtype, device=g.device)
+    from_start = (ones.tril() @ g).exp()                                # Σ_{r<=t}
+    to_end = (ones.triu(1) @ g).exp()                                   # Σ_{r>s}
+    return D, from_start, to_end, g.sum(-2, keepdim=True).exp()
+
+
+def scalar_decay_backward(e_D: Tensor, a_from_start: Tensor, b_to_end: Tensor, c_total: Tensor) -> Tensor:
+    """The gradient of ``g`` from ``d factor ⊙ factor`` of :func:`scalar_decay`'s outputs (no autograd).
+
+    ``e_D`` ``(…, C, C)`` (only the entries below the diagonal are read: ``D``'s diagonal is the
+    constant 1), ``a_from_start``, ``b_to_end`` ``(…, C, 1)``, ``c_total`` ``(…, 1, 1)``. A factor
+    ``exp(Σ_range g)`` passes ``d factor ⊙ factor`` to every ``g_r`` of its range, so ``D[t, s]``'s
+    go to ``s < r <= t``: a suffix sum down the rows, then the sum over ``s < r`` of each row.
+    """
+    C = e_D.shape[-1]
+    e = e_D.tril(-1)
+    down = e.flip(-2).cumsum(-2).flip(-2).tril_(-1)                      # [r, s] = Σ_{t>=r} e[t, s], s < r
+    ones = torch.ones(C, C, dtype=e.dtype, device=e.device)
+    dg = down.sum(-1, keepdim=True)
+    dg += ones.triu() @ a_from_start                                     # Σ_{t>=r}
+    dg += ones.tril(-1) @ b_to_end                                       # Σ_{s<r}
+    return dg.add_(c_total)
+
+
+def _forward(q, k, v, beta, S0, g=None):
+    """The chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none, op by op.
+
+    ``q, k`` ``(B, H, N, C, Dk)``, ``v`` ``(…, C, Dv)``, ``beta`` ``(…, C, 1)``, ``S0`` ``(B, H, Dk, Dv)``.
     """
     kt = k.transpose(-1, -2)
     QK = (q @ kt).tril()                                # tril first: an overflowing later score times 0 is NaN
     KK = (k @ kt).tril(-1)
-    if D is None:
+    if g is None:
         return _solve_and_scan(QK, KK, q, k, k, v, beta, S0, None)
+    D, from_start, to_end, total = scalar_decay(g)
     return _solve_and_scan(QK * D, KK * D, q * from_start, k * from_start, k * to_end, v, beta, S0, total)
 
 
@@ -105,148 +143,183 @@ def _unit_lower_inverse(M: Tensor) -> Tensor:
     return out
 
 
-class _Core:
-    """The part of the chunk form the two Functions share: from the decayed scores to the outputs, and back.
+def _scan(W, Ut, ke, tot, S0, BH, N):
+    """The pass over chunks: ``U_n = Ũ_n − W_n S``, ``S <- total_n S + K̂_nᵀ U_n``; ``(U, S_before, S_final)``.
 
-    Works on ``(B·H·N, C, ·)`` views for the batched matmuls and ``(B·H, N, ·)`` ones for the scan;
-    ``tot`` is None or ``(B·H, N, 1 or Dk, 1)``.
+    ``W``, ``ke`` ``(B·H·N, C, Dk)``, ``Ut`` ``(…, C, Dv)``, ``tot`` None or ``(B·H·N, 1 or Dk, 1)``.
     """
+    BHN, C, Dk = W.shape
+    Dv = Ut.shape[-1]
+    W4, Ut4, ke4 = W.view(BH, N, C, Dk), Ut.view(BH, N, C, Dv), ke.view(BH, N, C, Dk)
+    tot4 = None if tot is None else tot.view(BH, N, tot.shape[-2], 1)
+    U = W.new_empty(BH, N, C, Dv)
+    S_before = W.new_empty(BH, N, Dk, Dv)
+    S = S0.reshape(BH, Dk, Dv)
+    for n in range(N):
+        S_before[:, n] = S
+        U_n = torch.baddbmm(Ut4[:, n], W4[:, n], S, alpha=-1.0)        # U = Ũ − W S
+        U[:, n] = U_n
+        S = torch.baddbmm(S if tot4 is None else tot4[:, n] * S, ke4[:, n].transpose(1, 2), U_n)
+    return U, S_before, S
 
-    @staticmethod
-    def forward(P, A, qf, kf, ke, v3, b3, S0, tot, BH, N):
-        """``(out (B·H·N, C, Dv), S_final (B·H, Dk, Dv), saved)``."""
-        BHN, C, Dk = kf.shape
-        Dv = v3.shape[-1]
-        M = b3 * A
-        M.diagonal(dim1=-2, dim2=-1).fill_(1.0)                 # I + diag(β) A (A's diagonal is 0)
-        Minv = _unit_lower_inverse(M)
-        del M
-        W = torch.bmm(Minv, b3 * kf)                            # (BHN, C, Dk)
-        Ut = torch.bmm(Minv, b3 * v3)                           # (BHN, C, Dv)
-        W4, Ut4, ke4 = W.view(BH, N, C, Dk), Ut.view(BH, N, C, Dv), ke.view(BH, N, C, Dk)
-        U = W.new_empty(BH, N, C, Dv)
-        S_before = W.new_empty(BH, N, Dk, Dv)
-        S = S0.reshape(BH, Dk, Dv)
-        for n in range(N):
-            S_before[:, n] = S
-            U_n = torch.baddbmm(Ut4[:, n], W4[:, n], S, alpha=-1.0)   # U = Ũ − W S
-            U[:, n] = U_n
-            S = torch.baddbmm(S if tot is None else tot[:, n] * S, ke4[:, n].transpose(1, 2), U_n)
-        U3, Sb3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv)
-        out = torch.baddbmm(torch.bmm(qf, Sb3), P, U3)
-        return out, S, (Minv, W, Ut, U, S_before)
 
-    @staticmethod
-    def backward(dO, dS, P, A, qf, kf, ke, v3, b3, tot, saved, BH, N):
-        """``(dP, dA, dqf, dkf, dke, d_beta, dv, dS0, S_before, dS_after)``; ``dP``, ``dA`` lower (strictly for ``dA``)."""
-        Minv, W, Ut, U, S_before = saved
-        BHN, C, Dk = kf.shape
-        Dv = v3.shape[-1]
-        U3, Sb3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv)
-        PdO = torch.bmm(P.transpose(1, 2), dO).view(BH, N, C, Dv)
-        QdO = torch.bmm(qf.transpose(1, 2), dO).view(BH, N, Dk, Dv)
-        ke4, W4 = ke.view(BH, N, C, Dk), W.view(BH, N, C, Dk)
-        # Reverse scan: dU_n = Pᵀ dO + K̂ dS_{n+1},  dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n
-        dU = U.new_empty(BH, N, C, Dv)
-        dS_after = S_before.new_empty(BH, N, Dk, Dv)
-        for n in range(N - 1, -1, -1):
-            dS_after[:, n] = dS
-            dU_n = torch.baddbmm(PdO[:, n], ke4[:, n], dS)
-            dU[:, n] = dU_n
-            carried = (dS if tot is None else tot[:, n] * dS) + QdO[:, n]
-            dS = torch.baddbmm(carried, W4[:, n].transpose(1, 2), dU_n, alpha=-1.0)
-        del PdO, QdO
-        dU3, dSa3 = dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
-        # out = Q̃ S_n + P U
-        dP = torch.bmm(dO, U3.transpose(1, 2)).tril_()
-        dqf = torch.bmm(dO, Sb3.transpose(1, 2))                   # (BHN, C, Dk)
-        # S' = total S + K̂ᵀ U
-        dke = torch.bmm(U3, dSa3.transpose(1, 2))                  # (BHN, C, Dk)
-        # U = Ũ − W S:  dW = −dU Sᵀ, dŨ = dU;  [W, Ũ] = M⁻¹ R:  dR = M⁻ᵀ [dW, dŨ],  dM = −dR [W, Ũ]ᵀ
-        MinvT = Minv.transpose(1, 2)
-        dR_k = torch.bmm(MinvT, torch.bmm(dU3, Sb3.transpose(1, 2))).neg_()
-        dR_v = torch.bmm(MinvT, dU3)
-        dM = torch.baddbmm(torch.bmm(dR_k, W.transpose(1, 2)), dR_v, Ut.transpose(1, 2)).tril_(-1).neg_()
-        d_beta = (dM * A).sum(-1, keepdim=True) + (dR_k * kf).sum(-1, keepdim=True) + (dR_v * v3).sum(-1, keepdim=True)
-        dA = dM.mul_(b3)                                             # M = I + diag(β) A
-        return dP, dA, dqf, dR_k.mul_(b3), dke, d_beta, dR_v.mul_(b3), dS, S_before, dS_after
+def _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N):
+    """The reverse pass: ``dU_n = Pᵀ dO + K̂ dS_{n+1}``, ``dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n``; ``(dU, dS_after, dS0)``."""
+    BHN, C, Dk = W.shape
+    Dv = PdO.shape[-1]
+    PdO4, QdO4, W4, ke4 = PdO.view(BH, N, C, Dv), QdO.view(BH, N, Dk, Dv), W.view(BH, N, C, Dk), ke.view(BH, N, C, Dk)
+    tot4 = None if tot is None else tot.view(BH, N, tot.shape[-2], 1)
+    dU = W.new_empty(BH, N, C, Dv)
+    dS_after = W.new_empty(BH, N, Dk, Dv)
+    for n in range(N - 1, -1, -1):
+        dS_after[:, n] = dS
+        dU_n = torch.baddbmm(PdO4[:, n], ke4[:, n], dS)
+        dU[:, n] = dU_n
+        carried = (dS if tot4 is None else tot4[:, n] * dS) + QdO4[:, n]
+        dS = torch.baddbmm(carried, W4[:, n].transpose(1, 2), dU_n, alpha=-1.0)
+    return dU, dS_after, dS
+
+
+def _solve(A, kf, v, b):
+    """One group of chunks: ``(M⁻¹, W, Ũ)`` with ``M = I + diag(β) A`` and ``[W, Ũ] = M⁻¹ diag(β) [kf, v]``."""
+    M = A * b
+    M.diagonal(dim1=-2, dim2=-1).fill_(1.0)                     # A's diagonal is 0
+    Minv = _unit_lower_inverse(M)
+    return Minv, torch.bmm(Minv, b * kf), torch.bmm(Minv, b * v)
+
+
+def _solve_backward(dO, U, S_before, dS_after, dU, Minv, W, Ut, A, kf, v, b):
+    """One group of chunks: ``(dP, dqf, dke, dA, dkf, dv, d_beta)`` from the scan's ``dU`` and ``dS_after``.
+
+    ``out = Q̃ S_n + P U`` gives ``dP`` (lower) and ``dqf``; ``S' = total S + K̂ᵀ U`` gives ``dke``;
+    ``U = Ũ − W S`` and ``[W, Ũ] = M⁻¹ R`` give ``dR = M⁻ᵀ [−dU Sᵀ, dU]`` and ``dM = −dR [W, Ũ]ᵀ``
+    (strictly lower), and ``M = I + diag(β) A``, ``R = diag(β) [kf, v]`` the rest.
+    """
+    dP = torch.bmm(dO, U.transpose(1, 2)).tril_()
+    dqf = torch.bmm(dO, S_before.transpose(1, 2))
+    dke = torch.bmm(U, dS_after.transpose(1, 2))
+    MinvT = Minv.transpose(1, 2)
+    dR_k = torch.bmm(MinvT, torch.bmm(dU, S_before.transpose(1, 2))).neg_()
+    dR_v = torch.bmm(MinvT, dU)
+    dM = torch.baddbmm(torch.bmm(dR_k, W.transpose(1, 2)), dR_v, Ut.transpose(1, 2)).tril_(-1).neg_()
+    d_beta = (dM * A).sum(-1, keepdim=True) + (dR_k * kf).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True)
+    return dP, dqf, dke, dM.mul_(b), dR_k.mul_(b), dR_v.mul_(b), d_beta
 
 
 class _WYChunk(torch.autograd.Function):
-    """The WY chunk form with one gate per head (or none) and a hand-written backward (see the module docstring)."""
+    """The WY chunk form with one gate per head (log-gates ``g``) or none, and a hand-written backward.
+
+    The work inside chunks runs on groups of chunks (:func:`linattn.ops._decay.groups`) whose
+    temporaries stay in the CPU's cache: the decay factors are rebuilt from ``g`` where they are
+    used, and only ``Q Kᵀ``, ``K Kᵀ``, ``M⁻¹``, ``[W, Ũ]``, ``U`` and the chunk start states are
+    kept. Between the groups, the scan over chunks (``B·H`` at a time).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, S0, D, from_start, to_end, total):
+    def forward(ctx, q, k, v, beta, S0, g):
         B, H, N, C, Dk = k.shape
         Dv = v.shape[-1]
         BH, BHN = B * H, B * H * N
-        gated = D is not None
+        gated = g is not None
         q3, k3, v3, b3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta))
-        QK = torch.bmm(q3, k3.transpose(1, 2)).tril_()         # tril_ first: an overflowing later score times 0 is NaN
-        KK = torch.bmm(k3, k3.transpose(1, 2)).tril_(-1)
-        if gated:
-            D3 = D.reshape(BHN, C, C)
-            fs3, te3 = from_start.reshape(BHN, C, 1), to_end.reshape(BHN, C, 1)
-            P, A, qf, kf, ke = QK * D3, KK * D3, q3 * fs3, k3 * fs3, k3 * te3
-        else:
-            P, A, qf, kf, ke = QK, KK, q3, k3, k3
-        tot = total.reshape(BH, N, 1, 1) if gated else None
-        out, S, saved = _Core.forward(P, A, qf, kf, ke, v3, b3, S0, tot, BH, N)
-        ctx.gated, ctx.shape = gated, (B, H, N, C, Dk, Dv)
-        ctx.save_for_backward(q, k, v, beta, S0, D, from_start, to_end, total, QK, KK, *saved)
+        g3 = g.reshape(BHN, C, 1) if gated else None
+        QK, KK, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
+        W, Ut = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv)
+        ke, tot = (q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, 1, 1)) if gated else (k3, None)
+        parts = groups(BHN, C * max(C, Dk, Dv))
+        for grp in parts:
+            k_g = k3[grp]
+            torch.bmm(q3[grp], k_g.transpose(1, 2), out=QK[grp]).tril_()   # tril_ first: an overflowing later
+            torch.bmm(k_g, k_g.transpose(1, 2), out=KK[grp]).tril_(-1)      # score times 0 would be NaN
+            if gated:
+                D, fs, te, tot[grp] = scalar_decay(g3[grp])
+                A, kf = KK[grp] * D, k_g * fs
+                torch.mul(k_g, te, out=ke[grp])
+            else:
+                A, kf = KK[grp], k_g
+            Minv[grp], W[grp], Ut[grp] = _solve(A, kf, v3[grp], b3[grp])
+        U, S_before, S = _scan(W, Ut, ke, tot, S0, BH, N)
+        Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
+        out = q3.new_empty(BHN, C, Dv)
+        for grp in parts:
+            if gated:
+                D, fs, _, _ = scalar_decay(g3[grp])
+                P, qf = QK[grp] * D, q3[grp] * fs
+            else:
+                P, qf = QK[grp], q3[grp]
+            torch.baddbmm(torch.bmm(qf, Sb3[grp]), P, U3[grp], out=out[grp])
+        ctx.shape = (B, H, N, C, Dk, Dv)
+        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, D, fs, te, total, QK, KK, *saved = ctx.saved_tensors
+        q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True (a second derivative): the stored intermediates are constants to
             # autograd, so differentiate the same equations op by op instead, from the inputs.
-            return differentiable_backward(_forward, (q, k, v, beta, S0, D, fs, te, total), d_out, d_S)
+            return differentiable_backward(_forward, (q, k, v, beta, S0, g), d_out, d_S)
         B, H, N, C, Dk, Dv = ctx.shape
         BH, BHN = B * H, B * H * N
+        gated = g is not None
         q3, k3, v3, b3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta))
-        gated = ctx.gated
+        g3 = g.reshape(BHN, C, 1) if gated else None
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
-        if gated:
-            D3 = D.reshape(BHN, C, C)
-            fs3, te3 = fs.reshape(BHN, C, 1), te.reshape(BHN, C, 1)
-            P, A, qf, kf, ke = QK * D3, KK * D3, q3 * fs3, k3 * fs3, k3 * te3
-            tot = total.reshape(BH, N, 1, 1)
-        else:
-            P, A, qf, kf, ke, tot = QK, KK, q3, k3, k3, None
-        dP, dKK, dqf, dkf, dke, d_beta, dv, dS0, S_before, dS_after = _Core.backward(
-            dO, dS, P, A, qf, kf, ke, v3, b3, tot, saved, BH, N)
-        dD_out = d_fs = d_te = d_tot = None
-        if gated:
-            dD_out = (dP * QK + dKK * KK).view(D.shape)
-            dQK, dKK = dP * D3, dKK * D3
-        else:
-            dQK = dP
-        dk = torch.bmm(dQK.transpose(1, 2), q3)
-        dk = torch.baddbmm(dk, dKK, k3)
-        dk = torch.baddbmm(dk, dKK.transpose(1, 2), k3)
-        if gated:
-            dq = torch.baddbmm(dqf * fs3, dQK, k3)
-            dk = dk + dke * te3 + dkf * fs3
-            d_fs = ((dqf * q3).sum(-1, keepdim=True) + (dkf * k3).sum(-1, keepdim=True)).view(fs.shape)
-            d_te = (dke * k3).sum(-1, keepdim=True).view(te.shape)
-            d_tot = (S_before * dS_after).sum((-1, -2)).view(total.shape)
-        else:
-            dq = torch.baddbmm(dqf, dQK, k3)
-            dk = dk + dke + dkf
+        parts = groups(BHN, C * max(C, Dk, Dv))
+        PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
+        ke, tot = (q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, 1, 1)) if gated else (k3, None)
+        for grp in parts:
+            if gated:
+                D, fs, te, tot[grp] = scalar_decay(g3[grp])
+                P, qf = QK[grp] * D, q3[grp] * fs
+                torch.mul(k3[grp], te, out=ke[grp])
+            else:
+                P, qf = QK[grp], q3[grp]
+            torch.bmm(P.transpose(1, 2), dO[grp], out=PdO[grp])
+            torch.bmm(qf.transpose(1, 2), dO[grp], out=QdO[grp])
+        dU, dS_after, dS0 = _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N)
+        del PdO, QdO
+        U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
+        dq, dk, dv, d_beta = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3), torch.empty_like(b3)
+        dg = torch.empty_like(g3) if gated else None
+        for grp in parts:
+            q_g, k_g = q3[grp], k3[grp]
+            if gated:
+                D, fs, te, tot_g = scalar_decay(g3[grp])
+                kf, A = k_g * fs, KK[grp] * D
+            else:
+                kf, A = k_g, KK[grp]
+            dP, dqf, dke, dKK, dkf, dv[grp], d_beta[grp] = _solve_backward(
+                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], W[grp], Ut[grp], A, kf, v3[grp], b3[grp])
+            if gated:
+                e_D = (dP * QK[grp]).add_(dKK * KK[grp]).mul_(D)             # d D ⊙ D
+                dQK, dKK = dP.mul_(D), dKK.mul_(D)
+            else:
+                dQK = dP
+            dk_g = torch.bmm(dQK.transpose(1, 2), q_g)
+            dk_g.baddbmm_(dKK, k_g).baddbmm_(dKK.transpose(1, 2), k_g)
+            if gated:
+                torch.baddbmm(dqf * fs, dQK, k_g, out=dq[grp])
+                dk[grp] = dk_g.addcmul_(dke, te).addcmul_(dkf, fs)
+                a_fs = ((dqf * q_g).sum(-1, keepdim=True) + (dkf * k_g).sum(-1, keepdim=True)).mul_(fs)
+                b_te = (dke * k_g).sum(-1, keepdim=True).mul_(te)
+                c_tot = (Sb3[grp] * dSa3[grp]).sum((-1, -2)).view(-1, 1, 1).mul_(tot_g)
+                dg[grp] = scalar_decay_backward(e_D, a_fs, b_te, c_tot)
+            else:
+                torch.baddbmm(dqf, dQK, k_g, out=dq[grp])
+                dk[grp] = dk_g.add_(dke).add_(dkf)
         shape = (B, H, N, C)
         return (dq.view(*shape, Dk), dk.view(*shape, Dk), dv.view(*shape, Dv), d_beta.view(*shape, 1),
-                dS0.view(B, H, Dk, Dv), dD_out, d_fs, d_te, d_tot)
+                dS0.view(B, H, Dk, Dv), None if dg is None else dg.view(*shape, 1))
 
 
 class _WYChannelChunk(torch.autograd.Function):
     """The WY chunk form with one gate per key channel and a hand-written backward.
 
     The scores ``P`` and ``A`` are built and differentiated by :mod:`linattn.ops._decay`'s fast
-    path (groups of chunks, each level's products recomputed where used); saved: the inputs, the
-    scores, the decays from and to the chunk's ends and :class:`_Core`'s intermediates.
+    path, on groups of chunks as in :class:`_WYChunk`; saved: the inputs, the scores, the decays
+    from and to the chunk's ends, ``M⁻¹``, ``[W, Ũ]``, ``U`` and the chunk start states.
     """
 
     @staticmethod
@@ -255,21 +328,30 @@ class _WYChannelChunk(torch.autograd.Function):
         Dv = v.shape[-1]
         BH, BHN = B * H, B * H * N
         q3, k3, v3, b3, g3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta, g))
-        P, A = q3.new_empty(BHN, C, C), q3.new_empty(BHN, C, C)
+        P, A, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
+        W, Ut, ke = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, C, Dk)
         fs, te, tot = torch.empty_like(k3), torch.empty_like(k3), k3.new_empty(BHN, 1, Dk)
-        for grp in groups(BHN, C * max(C, Dk)):
-            P[grp], products = scores_fast(q3[grp], k3[grp], False, g3[grp])
-            A[grp], _ = scores_fast(k3[grp], k3[grp], True, g3[grp])
+        parts = groups(BHN, C * max(C, Dk, Dv))
+        for grp in parts:
+            k_g = k3[grp]
+            P[grp], products = scores_fast(q3[grp], k_g, False, g3[grp])
+            A[grp], _ = scores_fast(k_g, k_g, True, g3[grp])
             fs[grp], te[grp], tot[grp] = products.ends()
-        tot4 = tot.view(BH, N, Dk, 1)
-        out, S, saved = _Core.forward(P, A, q3 * fs, k3 * fs, k3 * te, v3, b3, S0, tot4, BH, N)
+            torch.mul(k_g, te[grp], out=ke[grp])
+            Minv[grp], W[grp], Ut[grp] = _solve(A[grp], k_g * fs[grp], v3[grp], b3[grp])
+        tot_t = tot.transpose(1, 2)                                       # (BHN, Dk, 1): per key channel
+        U, S_before, S = _scan(W, Ut, ke, tot_t, S0, BH, N)
+        Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
+        out = q3.new_empty(BHN, C, Dv)
+        for grp in parts:
+            torch.baddbmm(torch.bmm(q3[grp] * fs[grp], Sb3[grp]), P[grp], U3[grp], out=out[grp])
         ctx.shape = (B, H, N, C, Dk, Dv)
-        ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, *saved)
+        ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, Minv, W, Ut, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, g, P, A, fs, te, tot, *saved = ctx.saved_tensors
+        q, k, v, beta, S0, g, P, A, fs, te, tot, Minv, W, Ut, U, S_before = ctx.saved_tensors
         if torch.is_grad_enabled():
             return differentiable_backward(_forward_channel, (q, k, v, beta, S0, g), d_out, d_S)
         B, H, N, C, Dk, Dv = ctx.shape
@@ -277,21 +359,30 @@ class _WYChannelChunk(torch.autograd.Function):
         q3, k3, v3, b3, g3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta, g))
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
-        qf, kf, ke = q3 * fs, k3 * fs, k3 * te
-        dP, dA, dqf, dkf, dke, d_beta, dv, dS0, S_before, dS_after = _Core.backward(
-            dO, dS, P, A, qf, kf, ke, v3, b3, tot.view(BH, N, Dk, 1), saved, BH, N)
-        c_tot = (S_before * dS_after).sum(-1).view(BHN, 1, Dk).mul_(tot)    # d total ⊙ total
-        dq, dk, dg = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(g3)
-        for grp in groups(BHN, C * max(C, Dk)):
-            k_g, fs_g, te_g = k3[grp], fs[grp], te[grp]
-            dq_g, dk_p, a_p, b_p, _ = scores_fast_backward(dP[grp], q3[grp], k_g, False, g3[grp])
-            dk_x, dk_y, a_a, b_a, _ = scores_fast_backward(dA[grp], k_g, k_g, True, g3[grp])
-            dq[grp] = dq_g.addcmul_(dqf[grp], fs_g)
-            dk[grp] = dk_p.add_(dk_x).add_(dk_y).addcmul_(dke[grp], te_g).addcmul_(dkf[grp], fs_g)
-            a_levels = [x + y for x, y in zip(a_p, a_a)]
-            b_levels = [None if x is None else x + y for x, y in zip(b_p, b_a)]
-            a_fs = dqf[grp].mul_(qf[grp]).addcmul_(dkf[grp], kf[grp])         # d from_start ⊙ from_start
-            dg[grp] = level_products_backward(a_fs, dke[grp].mul_(ke[grp]), c_tot[grp], a_levels, b_levels)
+        parts = groups(BHN, C * max(C, Dk, Dv))
+        PdO, QdO, ke = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv), q3.new_empty(BHN, C, Dk)
+        for grp in parts:
+            torch.bmm(P[grp].transpose(1, 2), dO[grp], out=PdO[grp])
+            torch.bmm((q3[grp] * fs[grp]).transpose(1, 2), dO[grp], out=QdO[grp])
+            torch.mul(k3[grp], te[grp], out=ke[grp])
+        dU, dS_after, dS0 = _scan_backward(PdO, QdO, W, ke, tot.transpose(1, 2), dS, BH, N)
+        del PdO, QdO
+        U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
+        dq, dk, dv, d_beta, dg = (torch.empty_like(x) for x in (q3, k3, v3, b3, g3))
+        for grp in parts:
+            q_g, k_g, fs_g, te_g = q3[grp], k3[grp], fs[grp], te[grp]
+            kf = k_g * fs_g
+            dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
+                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], W[grp], Ut[grp], A[grp], kf, v3[grp], b3[grp])
+            dq_g, dk_p, a_p, b_p, _ = scores_fast_backward(dP, q_g, k_g, False, g3[grp])
+            dk_x, dk_y, a_a, b_a, _ = scores_fast_backward(dA, k_g, k_g, True, g3[grp])
+            dq[grp] = dq_g.addcmul_(dqf, fs_g)
+            dk[grp] = dk_p.add_(dk_x).add_(dk_y).addcmul_(dke, te_g).addcmul_(dkf, fs_g)
+            a_levels = [x.add_(y) for x, y in zip(a_p, a_a)]
+            b_levels = [None if x is None else x.add_(y) for x, y in zip(b_p, b_a)]
+            a_fs = dqf.mul_(q_g).mul_(fs_g).addcmul_(dkf, kf)                 # d from_start ⊙ from_start
+            c_tot = (Sb3[grp] * dSa3[grp]).sum(-1).unsqueeze(-2).mul_(tot[grp])   # d total ⊙ total
+            dg[grp] = level_products_backward(a_fs, dke.mul_(ke[grp]), c_tot, a_levels, b_levels)
         shape = (B, H, N, C)
         return (dq.view(*shape, Dk), dk.view(*shape, Dk), dv.view(*shape, Dv), d_beta.view(*shape, 1),
                 dS0.view(B, H, Dk, Dv), dg.view(*shape, Dk))
@@ -307,13 +398,13 @@ def _op_by_op(inputs) -> bool:
             or any(_dual(t) for t in inputs))
 
 
-def wy_chunk(q, k, v, beta, S0, D=None, from_start=None, to_end=None, total=None) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, N, C, Dv), S_final)`` of the WY chunk form with one gate per head or none.
+def wy_chunk(q, k, v, beta, S0, g=None) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, N, C, Dv), S_final)`` of the WY chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none.
 
     With gradients needed (and outside ``torch.func`` transforms, ``torch.compile`` and forward-mode
     AD, where autograd differentiates the same equations op by op) through :class:`_WYChunk`.
     """
-    inputs = (q, k, v, beta, S0, D, from_start, to_end, total)
+    inputs = (q, k, v, beta, S0, g)
     return _forward(*inputs) if _op_by_op(inputs) else _WYChunk.apply(*inputs)
 
 

@@ -169,27 +169,6 @@ def _gated_delta_recurrent(q, k, v, log_g, beta, S0):
     return torch.stack(outs, dim=2), S
 
 
-def _scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One gate per head: factors of a chunk from ``g`` ``(B, H, N, C, 1)``, every exponent a range sum.
-
-    Returns ``D`` ``(B, H, N, C, C)`` with ``D[t, s] = exp(Σ_{s<r<=t} g_r)`` for ``s <= t`` and 0
-    above the diagonal, ``from_start`` and ``to_end`` ``(B, H, N, C, 1)`` (``exp(Σ_{r<=t})`` and
-    ``exp(Σ_{s<r})``) and the chunk's total decay ``(B, H, N, 1)``. The range sums are Mamba-2's
-    "segsum" (Dao & Gu, 2024): column ``s`` holds ``g_r`` for ``r > s`` only and is accumulated
-    down the rows, so each ``Σ_{s<r<=t}`` is summed from its own terms (never a difference of two
-    prefix sums), ``C²`` additions per chunk.
-    """
-    C = g.shape[-2]
-    r = torch.arange(C, device=g.device)
-    later = r.view(C, 1) > r.view(1, C)                                 # [r, s]: r > s
-    R = g.expand(*g.shape[:-1], C).masked_fill(~later, 0.0).cumsum(dim=-2)   # [t, s] = Σ_{s<r<=t} g_r
-    D = R.exp().masked_fill(~torch.ones(C, C, dtype=torch.bool, device=g.device).tril(), 0.0)
-    ones = torch.ones(C, C, dtype=g.dtype, device=g.device)
-    from_start = (ones.tril() @ g).exp()                                # Σ_{r<=t}
-    to_end = (ones.triu(1) @ g).exp()                                   # Σ_{r>s}
-    return D, from_start, to_end, g.sum(-2).exp()
-
-
 def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
     """Chunkwise gated delta rule through the WY / UT representation (see :func:`gated_delta_rule`).
 
@@ -208,6 +187,5 @@ def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
     if per_channel:                                                     # linattn.ops._wy with linattn.ops._decay
         out, S = wy_chunk_channel(qc, kc, vc, bc, zeros_state(k, v, S0), gc)
         return from_chunks(out[:, :, :, :C], T), S
-    D, from_start, to_end, total = _scalar_decay(gc)                    # one gate per head: linattn.ops._wy
-    out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0), D, from_start, to_end, total.unsqueeze(-1))
+    out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0), gc)          # one gate per head: linattn.ops._wy
     return from_chunks(out, T), S
