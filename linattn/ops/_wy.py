@@ -210,9 +210,9 @@ class _WYChunk(torch.autograd.Function):
     """The WY chunk form with one gate per head (log-gates ``g``) or none, and a hand-written backward.
 
     The work inside chunks runs on groups of chunks (:func:`linattn.ops._decay.groups`) whose
-    temporaries stay in the CPU's cache: the decay factors are rebuilt from ``g`` where they are
-    used, and only ``Q Kᵀ``, ``K Kᵀ``, ``M⁻¹``, ``[W, Ũ]``, ``U`` and the chunk start states are
-    kept. Between the groups, the scan over chunks (``B·H`` at a time).
+    temporaries stay in the CPU's cache; kept are ``Q Kᵀ``, ``K Kᵀ``, the decay factors, ``M⁻¹``,
+    ``[W, Ũ]``, ``U`` and the chunk start states. Between the groups, the scan over chunks
+    (``B·H`` at a time).
     """
 
     @staticmethod
@@ -226,15 +226,17 @@ class _WYChunk(torch.autograd.Function):
         QK, KK, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
         W, Ut = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv)
         ke, tot = (q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, 1, 1)) if gated else (k3, None)
+        D, fs, te = ((q3.new_empty(BHN, C, C), q3.new_empty(BHN, C, 1), q3.new_empty(BHN, C, 1)) if gated
+                     else (None, None, None))
         parts = groups(BHN, C * max(C, Dk, Dv))
         for grp in parts:
             k_g = k3[grp]
             torch.bmm(q3[grp], k_g.transpose(1, 2), out=QK[grp]).tril_()   # tril_ first: an overflowing later
             torch.bmm(k_g, k_g.transpose(1, 2), out=KK[grp]).tril_(-1)      # score times 0 would be NaN
             if gated:
-                D, fs, te, tot[grp] = scalar_decay(g3[grp])
-                A, kf = KK[grp] * D, k_g * fs
-                torch.mul(k_g, te, out=ke[grp])
+                D[grp], fs[grp], te[grp], tot[grp] = scalar_decay(g3[grp])
+                A, kf = KK[grp] * D[grp], k_g * fs[grp]
+                torch.mul(k_g, te[grp], out=ke[grp])
             else:
                 A, kf = KK[grp], k_g
             Minv[grp], W[grp], Ut[grp] = _solve(A, kf, v3[grp], b3[grp])
@@ -243,18 +245,17 @@ class _WYChunk(torch.autograd.Function):
         out = q3.new_empty(BHN, C, Dv)
         for grp in parts:
             if gated:
-                D, fs, _, _ = scalar_decay(g3[grp])
-                P, qf = QK[grp] * D, q3[grp] * fs
+                P, qf = QK[grp] * D[grp], q3[grp] * fs[grp]
             else:
                 P, qf = QK[grp], q3[grp]
             torch.baddbmm(torch.bmm(qf, Sb3[grp]), P, U3[grp], out=out[grp])
         ctx.shape = (B, H, N, C, Dk, Dv)
-        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before)
+        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before, D, fs, te, tot)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before = ctx.saved_tensors
+        q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before, D, fs, te, tot = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True (a second derivative): the stored intermediates are constants to
             # autograd, so differentiate the same equations op by op instead, from the inputs.
@@ -268,12 +269,11 @@ class _WYChunk(torch.autograd.Function):
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
         parts = groups(BHN, C * max(C, Dk, Dv))
         PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
-        ke, tot = (q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, 1, 1)) if gated else (k3, None)
+        ke = q3.new_empty(BHN, C, Dk) if gated else k3
         for grp in parts:
             if gated:
-                D, fs, te, tot[grp] = scalar_decay(g3[grp])
-                P, qf = QK[grp] * D, q3[grp] * fs
-                torch.mul(k3[grp], te, out=ke[grp])
+                P, qf = QK[grp] * D[grp], q3[grp] * fs[grp]
+                torch.mul(k3[grp], te[grp], out=ke[grp])
             else:
                 P, qf = QK[grp], q3[grp]
             torch.bmm(P.transpose(1, 2), dO[grp], out=PdO[grp])
@@ -286,25 +286,25 @@ class _WYChunk(torch.autograd.Function):
         for grp in parts:
             q_g, k_g = q3[grp], k3[grp]
             if gated:
-                D, fs, te, tot_g = scalar_decay(g3[grp])
-                kf, A = k_g * fs, KK[grp] * D
+                D_g, fs_g, te_g = D[grp], fs[grp], te[grp]
+                kf, A = k_g * fs_g, KK[grp] * D_g
             else:
                 kf, A = k_g, KK[grp]
             dP, dqf, dke, dKK, dkf, dv[grp], d_beta[grp] = _solve_backward(
                 dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], W[grp], Ut[grp], A, kf, v3[grp], b3[grp])
             if gated:
-                e_D = (dP * QK[grp]).add_(dKK * KK[grp]).mul_(D)             # d D ⊙ D
-                dQK, dKK = dP.mul_(D), dKK.mul_(D)
+                e_D = (dP * QK[grp]).add_(dKK * KK[grp]).mul_(D_g)           # d D ⊙ D
+                dQK, dKK = dP.mul_(D_g), dKK.mul_(D_g)
             else:
                 dQK = dP
             dk_g = torch.bmm(dQK.transpose(1, 2), q_g)
             dk_g.baddbmm_(dKK, k_g).baddbmm_(dKK.transpose(1, 2), k_g)
             if gated:
-                torch.baddbmm(dqf * fs, dQK, k_g, out=dq[grp])
-                dk[grp] = dk_g.addcmul_(dke, te).addcmul_(dkf, fs)
-                a_fs = ((dqf * q_g).sum(-1, keepdim=True) + (dkf * k_g).sum(-1, keepdim=True)).mul_(fs)
-                b_te = (dke * k_g).sum(-1, keepdim=True).mul_(te)
-                c_tot = (Sb3[grp] * dSa3[grp]).sum((-1, -2)).view(-1, 1, 1).mul_(tot_g)
+                torch.baddbmm(dqf * fs_g, dQK, k_g, out=dq[grp])
+                dk[grp] = dk_g.addcmul_(dke, te_g).addcmul_(dkf, fs_g)
+                a_fs = ((dqf * q_g).sum(-1, keepdim=True) + (dkf * k_g).sum(-1, keepdim=True)).mul_(fs_g)
+                b_te = (dke * k_g).sum(-1, keepdim=True).mul_(te_g)
+                c_tot = (Sb3[grp] * dSa3[grp]).sum((-1, -2)).view(-1, 1, 1).mul_(tot[grp])
                 dg[grp] = scalar_decay_backward(e_D, a_fs, b_te, c_tot)
             else:
                 torch.baddbmm(dqf, dQK, k_g, out=dq[grp])
