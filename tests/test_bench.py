@@ -388,3 +388,10 @@ def test_variants_flag_selects_decay_variants(capsys):
     assert " delta " in out and "retention" not in out and "ungated" in out
     with pytest.raises(SystemExit):
         bench.main(["--variants", "delta"])
+
+
+def test_machine_info_records_the_commit():
+    """A cached measurement names the code it measured, as the studies' provenance does."""
+    info = bench.machine_info("cpu")
+    assert "commit" in info
+    assert info["commit"] is None or len(info["commit"].split("+")[0]) == 40

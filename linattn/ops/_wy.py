@@ -17,15 +17,15 @@ it; without gates (the delta rule) all are 1 and are skipped. With one gate per 
 (Kimi Delta Attention) the decay sits inside the sum over channels, ``Pqk[t, s] = Σ_d q_td k_sd
 Π_{s<r<=t} α_rd``, and the scores come from :mod:`linattn.ops._decay`'s halving; ``total`` is
 then one factor per key channel. Only the ``T/C`` matmuls of the scan are sequential: ``W S``
-and ``(K ⊙ to_end)ᵀ U`` forward, ``(K ⊙ to_end) dS'`` and ``Wᵀ dU`` backward. With one gate per
-head the decay factors enter as inputs, and autograd differentiates their (elementwise)
-construction from the log-gates; per key channel the log-gates are the input and the whole
-backward pass is written here.
+and ``(K ⊙ to_end)ᵀ U`` forward, ``(K ⊙ to_end) dS'`` and ``Wᵀ dU`` backward. The log-gates are
+the input and the whole backward pass, the gradient of the log-gates included, is written here;
+everything inside chunks runs on groups of chunks whose temporaries stay in the CPU's cache.
 
-Saved for the backward pass (per chunk): the inputs, ``Q Kᵀ`` and ``K Kᵀ`` (``C²`` each), ``M``,
-``[W, Ũ]``, ``U`` and the chunk start states (``Dk·Dv``): the matmuls of the forward pass are not
-repeated. A backward pass that must itself be differentiable (``create_graph=True``) recomputes
-the forward op by op from the inputs and lets autograd differentiate it; ``torch.func``
+Saved for the backward pass (per chunk): the inputs, ``Q Kᵀ`` and ``K Kᵀ`` (the decayed scores
+per key channel; ``C²`` each), the decay factors, ``M⁻¹``, ``[W, Ũ]``, ``U`` and the chunk start
+states (``Dk·Dv``): the matmuls of the forward pass are not repeated. A backward pass that must
+itself be differentiable (``create_graph=True``) recomputes the forward op by op from the inputs
+and lets autograd differentiate it; ``torch.func``
 transforms, ``torch.compile`` and forward-mode AD use that op-by-op form from the start
 (:func:`wy_chunk` picks).
 """
