@@ -266,22 +266,6 @@ def _op_by_op(*tensors: Optional[Tensor]) -> bool:
             or any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors))
 
 
-class ChunkDecay:
-    """The decay factors of chunks of log-gates ``g`` ``(…, Cp, Dk)``, differentiable op by op.
-
-    ``from_start``, ``to_end`` ``(…, Cp, Dk)``, ``total`` ``(…, Dk)`` (see the module docstring)
-    and :meth:`scores`.
-    """
-
-    def __init__(self, g: Tensor) -> None:
-        self.from_start, self.to_end, total, self.levels = decay_factors(g)
-        self.total = total.squeeze(-2)
-
-    def scores(self, x: Tensor, y: Tensor, *, strict: bool = False) -> Tensor:
-        """``(…, Cp, Cp)``: ``Σ_d x_td y_sd Π_{s<r<=t} α_rd`` for ``s <= t`` (``s < t`` if ``strict``), else 0."""
-        return scores_by_cat(x, y, strict, self.levels)
-
-
 # --------------------------------------------------------------------------- GLA's chunk form
 
 
