@@ -260,7 +260,7 @@ def scores_by_cat(x: Tensor, y: Tensor, strict: bool, levels) -> Tensor:
     return A.reshape(*lead, Cp, Cp)
 
 
-def _op_by_op(*tensors: Optional[Tensor]) -> bool:
+def autograd_must_see_every_op(*tensors: Optional[Tensor]) -> bool:
     """Autograd must see every operation: ``torch.func`` transforms, ``torch.compile``, or a forward-mode dual."""
     return (compiling() or torch._C._are_functorch_transforms_active()
             or any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors))
@@ -368,6 +368,6 @@ class _GLAChunk(torch.autograd.Function):
 
 def gla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S0: Tensor) -> tuple[Tensor, Tensor]:
     """``(out, S_final)`` of GLA's chunk form (see :func:`gla_chunk_ops`): :class:`_GLAChunk`, or op by op."""
-    if _op_by_op(q, k, v, g, S0):
+    if autograd_must_see_every_op(q, k, v, g, S0):
         return gla_chunk_ops(q, k, v, g, S0)
     return _GLAChunk.apply(q, k, v, g, S0)

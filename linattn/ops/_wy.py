@@ -31,14 +31,12 @@ transforms, ``torch.compile`` and forward-mode AD use that op-by-op form from th
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from .._numerics import compiling
 from ._common import differentiable_backward
-from ._decay import decay_factors, groups, level_products_backward, scores_by_cat, scores_fast, scores_fast_backward
+from ._decay import (autograd_must_see_every_op, decay_factors, groups, level_products_backward, scores_by_cat,
+                     scores_fast, scores_fast_backward)
 
 
 def _solve_and_scan(P, A, qf, kf, ke, v, beta, S0, total):
@@ -388,14 +386,10 @@ class _WYChannelChunk(torch.autograd.Function):
                 dS0.view(B, H, Dk, Dv), dg.view(*shape, Dk))
 
 
-def _dual(t: Optional[Tensor]) -> bool:
-    return t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
-
-
-def _op_by_op(inputs) -> bool:
+def _use_op_by_op(inputs) -> bool:
+    """The op-by-op form: no gradient needed (no graph to save), or autograd must see every operation."""
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    return (not needs_grad or compiling() or torch._C._are_functorch_transforms_active()
-            or any(_dual(t) for t in inputs))
+    return not needs_grad or autograd_must_see_every_op(*inputs)
 
 
 def wy_chunk(q, k, v, beta, S0, g=None) -> tuple[Tensor, Tensor]:
@@ -405,7 +399,7 @@ def wy_chunk(q, k, v, beta, S0, g=None) -> tuple[Tensor, Tensor]:
     AD, where autograd differentiates the same equations op by op) through :class:`_WYChunk`.
     """
     inputs = (q, k, v, beta, S0, g)
-    return _forward(*inputs) if _op_by_op(inputs) else _WYChunk.apply(*inputs)
+    return _forward(*inputs) if _use_op_by_op(inputs) else _WYChunk.apply(*inputs)
 
 
 def wy_chunk_channel(q, k, v, beta, S0, g) -> tuple[Tensor, Tensor]:
@@ -414,4 +408,4 @@ def wy_chunk_channel(q, k, v, beta, S0, g) -> tuple[Tensor, Tensor]:
     Through :class:`_WYChannelChunk`, or op by op (:func:`_forward_channel`) as in :func:`wy_chunk`.
     """
     inputs = (q, k, v, beta, S0, g)
-    return _forward_channel(*inputs) if _op_by_op(inputs) else _WYChannelChunk.apply(*inputs)
+    return _forward_channel(*inputs) if _use_op_by_op(inputs) else _WYChannelChunk.apply(*inputs)
