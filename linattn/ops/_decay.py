@@ -26,6 +26,10 @@ gradient of a gate of ``1e-12`` rounding noise in float32). This is the "segsum"
 (Dao & Gu, 2024) organised like the secondary chunking of GLA (Yang, Wang, Shen, Panda & Kim,
 2024, arXiv:2312.06635), applied at every scale.
 
+For chunks of mild total decay the scores are also one matmul of the queries and keys rescaled
+by the cumulative decays (:func:`prefix_factors`, see below); each group of chunks takes one
+form or the other (:func:`mild_groups`).
+
 GLA's chunk form (:class:`_GLAChunk`) has a hand-written backward pass; under ``torch.func``
 transforms, ``torch.compile`` and forward-mode AD, and for second derivatives, autograd
 differentiates the same equations op by op (:func:`decay_factors`, :func:`scores_by_cat`,
@@ -33,6 +37,7 @@ differentiates the same equations op by op (:func:`decay_factors`, :func:`scores
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -234,6 +239,65 @@ def groups(n: int, per_item: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+# --------------------------------------------------------------------------- mild decays: prefix factors
+
+# Where a chunk's total decay is mild, the products over ranges need not be built range by
+# range: with ``b_t = Σ_{r<=t} g_r`` the decayed scores are ``(x ⊙ e^{b}) (y ⊙ e^{−b})ᵀ``, one
+# matmul (the chunk form of Katharopoulos et al. with the gates folded into the features, as
+# in Yang et al., 2024, eq. 4 of arXiv:2312.06635 before its secondary chunking). Its factors
+# stay in ``[e^{−R}, e^{R}]`` for a chunk whose total log-decay is ``−R``, so for ``R <=
+# MILD_DECAY`` nothing overflows, and a factor ``e^{b_t − b_s}`` carries a rounding error of
+# about ``2R`` units (the cumulative sum's and the exponentials'): at ``R = 16`` float32's
+# ``~2e-6`` relative, the size of a 64-term dot product's rounding. Chunks whose decay is
+# stronger take the range-by-range products above, whose every factor is ``<= 1``.
+
+MILD_DECAY = 16.0
+
+
+def mild_groups(parts: list[slice], g: Tensor, x: Tensor, y: Tensor) -> list[bool]:
+    """Per group of chunks: may it use :func:`prefix_factors`? (every chunk's total log-decay
+    ``−Σ g >= −MILD_DECAY`` in every channel, and ``Dk · max|x| · max|y| · e^{MILD_DECAY}``
+    far below the dtype's largest number, so no score or gradient of the prefix form overflows).
+
+    ``g`` ``(n, C, 1 or Dk)``, ``x``, ``y`` ``(n, C, Dk)``; one host synchronisation. Non-finite
+    entries of ``x`` and ``y`` do not count: the choice stays that of the finite inputs, so the
+    outputs before a NaN are bit for bit those without it (:func:`linattn.ops._common.run`).
+    """
+    depth = g.sum(1).amin(-1).neg()                                         # (n,): −(Σ_r g_r), worst channel
+    size = _finite_max(x) * _finite_max(y) * x.shape[-1]
+    limit = torch.finfo(x.dtype).max * math.exp(-3 * MILD_DECAY)
+    ok = ((depth <= MILD_DECAY) & (size <= limit)).tolist()
+    return [all(ok[grp]) for grp in parts]
+
+
+def _finite_max(x: Tensor) -> Tensor:
+    """``max |x|`` over the finite entries of each chunk of ``x`` ``(n, C, D)``: ``(n,)``."""
+    return x.abs().nan_to_num_(nan=0.0, posinf=0.0).amax((1, 2))
+
+
+def prefix_factors(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(from_start, inverse, to_end, total)`` of chunks of log-gates ``g`` ``(n, C, Dg)`` with mild decay (no autograd).
+
+    With ``b_t = Σ_{r<=t} g_r``: ``e^{b_t}``, ``e^{−b_t}``, ``e^{b_C − b_t}`` ``(n, C, Dg)`` and
+    ``e^{b_C}`` ``(n, 1, Dg)``; the decay between tokens is ``from_start[t] · inverse[s]``.
+    Only for the groups :func:`mild_groups` allows.
+    """
+    b = g.cumsum(1)
+    last = b[:, -1:]
+    return b.exp(), b.neg().exp(), (last - b).exp_(), last.exp()
+
+
+def prefix_factors_backward(a_from_start: Tensor, b_inverse: Tensor, b_to_end: Tensor, c_total: Tensor) -> Tensor:
+    """The gradient of ``g`` from ``d factor ⊙ factor`` of :func:`prefix_factors`' outputs (same shapes).
+
+    ``∂/∂b_t`` is ``a_t − b_inverse_t − b_to_end_t``, and ``b_C`` also receives ``Σ_t b_to_end_t +
+    c_total``; ``g_r`` gets the sum of ``∂/∂b_t`` over ``t >= r`` (a reversed cumulative sum).
+    """
+    db = a_from_start - b_inverse - b_to_end
+    db[:, -1:] += b_to_end.sum(1, keepdim=True) + c_total
+    return db.flip(1).cumsum(1).flip(1)
+
+
 # --------------------------------------------------------------------------- the decayed scores
 
 
@@ -303,11 +367,16 @@ class _GLAChunk(torch.autograd.Function):
         q3, k3, g3, v3 = (x.reshape(BHN, Cp, x.shape[-1]) for x in (q, k, g, v))
         A = q3.new_empty(BHN, Cp, Cp)
         fs, te, tot = torch.empty_like(q3), torch.empty_like(q3), q3.new_empty(BHN, 1, Dk)
-        U = q3.new_empty(BHN, Dk, Dv)
+        U, inv = q3.new_empty(BHN, Dk, Dv), torch.empty_like(q3)
         parts = groups(BHN, Cp * max(Cp, Dk, Dv))
-        for grp in parts:
-            A[grp], products = scores_fast(q3[grp], k3[grp], False, g3[grp])
-            fs[grp], te[grp], tot[grp] = products.ends()
+        mild = mild_groups(parts, g3, q3, k3)
+        for grp, prefix in zip(parts, mild):
+            if prefix:
+                fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])
+                torch.bmm(q3[grp] * fs[grp], (k3[grp] * inv[grp]).transpose(1, 2), out=A[grp]).tril_()
+            else:
+                A[grp], products = scores_fast(q3[grp], k3[grp], False, g3[grp])
+                fs[grp], te[grp], tot[grp] = products.ends()
             torch.bmm((k3[grp] * te[grp]).transpose(1, 2), v3[grp], out=U[grp])
         U4, tot4 = U.view(BH, N, Dk, Dv), tot.view(BH, N, Dk, 1)
         S_before = U.new_empty(BH, N, Dk, Dv)
@@ -320,12 +389,13 @@ class _GLAChunk(torch.autograd.Function):
         out = q3.new_empty(BHN, Cp, Dv)
         for grp in parts:
             torch.baddbmm(torch.bmm(A[grp], v3[grp]), q3[grp] * fs[grp], Sb3[grp], out=out[grp])
-        ctx.save_for_backward(q, k, v, g, S0, A, S_before, fs, te, tot)
+        ctx.mild = mild
+        ctx.save_for_backward(q, k, v, g, S0, A, S_before, fs, te, tot, inv)
         return out.view(B, H, N, Cp, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, g, S0, A, S_before, fs, te, tot = ctx.saved_tensors
+        q, k, v, g, S0, A, S_before, fs, te, tot, inv = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True: the stored intermediates are constants to autograd, so
             # differentiate the same equations op by op instead, from the inputs.
@@ -348,7 +418,7 @@ class _GLAChunk(torch.autograd.Function):
         del QdO, QdO4
         Sb3, dSa3 = S_before.view(BHN, Dk, Dv), dS_after.view(BHN, Dk, Dv)
         dq, dk, dg, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(g3), torch.empty_like(v3)
-        for grp in parts:
+        for grp, prefix in zip(parts, ctx.mild):
             q_g, k_g, v_g, dO_g, Sb_g, dSa_g = q3[grp], k3[grp], v3[grp], dO[grp], Sb3[grp], dSa3[grp]
             fs_g, te_g = fs[grp], te[grp]
             ke = k_g * te_g
@@ -357,6 +427,16 @@ class _GLAChunk(torch.autograd.Function):
             dqf = torch.bmm(dO_g, Sb_g.transpose(1, 2))                       # d (q ⊙ from_start)
             dke = torch.bmm(v_g, dSa_g.transpose(1, 2))                       # d (k ⊙ to_end)
             dA = torch.bmm(dO_g, v_g.transpose(1, 2))
+            if prefix:                                                        # A = (q ⊙ fs)(k ⊙ inv)ᵀ, lower
+                inv_g = inv[grp]
+                qf, kh = q_g * fs_g, k_g * inv_g
+                dA.tril_()
+                dqf.baddbmm_(dA, kh)
+                dkh = torch.bmm(dA.transpose(1, 2), qf)
+                dq[grp] = dqf * fs_g
+                dk[grp] = torch.addcmul(dkh * inv_g, dke, te_g)
+                dg[grp] = prefix_factors_backward(dqf.mul_(qf), dkh.mul_(kh), dke.mul_(ke), c_tot)
+                continue
             dq_g, dk_g, a_levels, b_levels, _ = scores_fast_backward(dA, q_g, k_g, False, g3[grp])
             dq[grp] = dq_g.addcmul_(dqf, fs_g)
             dk[grp] = dk_g.addcmul_(dke, te_g)

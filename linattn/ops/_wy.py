@@ -13,7 +13,11 @@ start state ``S`` (all chunks at once, except the scan over chunk states)::
 
 ``D[t, s] = exp(Σ_{s<r<=t} log α_r)`` is the decay between two tokens of the chunk,
 ``from_start``, ``to_end`` and ``total`` the decays from the chunk's start, to its end and over
-it; without gates (the delta rule) all are 1 and are skipped. With one gate per key channel
+it; without gates (the delta rule) all are 1 and are skipped. In chunks of mild total decay
+(:func:`linattn.ops._decay.mild_groups`) ``Pqk`` and ``Akk`` are instead the products
+``(Q ⊙ from_start)(K ⊙ e^{−b})ᵀ`` and ``(K ⊙ from_start)(K ⊙ e^{−b})ᵀ``, and no ``C × C``
+decay matrix is formed; the gradient of the log-gates then flows through the cumulative
+sum ``b`` (:func:`linattn.ops._decay.prefix_factors_backward`). With one gate per key channel
 (Kimi Delta Attention) the decay sits inside the sum over channels, ``Pqk[t, s] = Σ_d q_td k_sd
 Π_{s<r<=t} α_rd``, and the scores come from :mod:`linattn.ops._decay`'s halving; ``total`` is
 then one factor per key channel. Only the ``T/C`` matmuls of the scan are sequential: ``W S``
@@ -22,8 +26,9 @@ the input and the whole backward pass, the gradient of the log-gates included, i
 everything inside chunks runs on groups of chunks whose temporaries stay in the CPU's cache.
 
 Saved for the backward pass (per chunk): the inputs, ``Q Kᵀ`` and ``K Kᵀ`` (the decayed scores
-per key channel; ``C²`` each), the decay factors, ``M⁻¹``, ``[W, Ũ]``, ``U`` and the chunk start
-states (``Dk·Dv``): the matmuls of the forward pass are not repeated. A backward pass that must
+in chunks of mild decay and per key channel; ``C²`` each), the decay factors, ``M⁻¹``, ``W``,
+``U`` and the chunk start states (``Dk·Dv``): the matmuls of the forward pass are not repeated
+(``Ũ`` is not needed: ``dM = −dR_v Uᵀ``, :func:`_solve_backward`). A backward pass that must
 itself be differentiable (``create_graph=True``) recomputes the forward op by op from the inputs
 and lets autograd differentiate it; ``torch.func``
 transforms, ``torch.compile`` and forward-mode AD use that op-by-op form from the start
@@ -35,8 +40,8 @@ import torch
 from torch import Tensor
 
 from ._common import differentiable_backward
-from ._decay import (autograd_must_see_every_op, decay_factors, groups, level_products_backward, scores_by_cat,
-                     scores_fast, scores_fast_backward)
+from ._decay import (autograd_must_see_every_op, decay_factors, groups, level_products_backward, mild_groups,
+                     prefix_factors, prefix_factors_backward, scores_by_cat, scores_fast, scores_fast_backward)
 
 
 def _solve_and_scan(P, A, qf, kf, ke, v, beta, S0, total):
@@ -186,30 +191,50 @@ def _solve(A, kf, v, b):
     return Minv, torch.bmm(Minv, b * kf), torch.bmm(Minv, b * v)
 
 
-def _solve_backward(dO, U, S_before, dS_after, dU, Minv, W, Ut, A, kf, v, b):
+def _solve_backward(dO, U, S_before, dS_after, dU, Minv, A, kf, v, b):
     """One group of chunks: ``(dP, dqf, dke, dA, dkf, dv, d_beta)`` from the scan's ``dU`` and ``dS_after``.
 
     ``out = Q̃ S_n + P U`` gives ``dP`` (lower) and ``dqf``; ``S' = total S + K̂ᵀ U`` gives ``dke``;
-    ``U = Ũ − W S`` and ``[W, Ũ] = M⁻¹ R`` give ``dR = M⁻ᵀ [−dU Sᵀ, dU]`` and ``dM = −dR [W, Ũ]ᵀ``
-    (strictly lower), and ``M = I + diag(β) A``, ``R = diag(β) [kf, v]`` the rest.
+    ``U = Ũ − W S`` and ``[W, Ũ] = M⁻¹ R`` give ``dR = M⁻ᵀ [−dU Sᵀ, dU] = [−dR_v Sᵀ, dR_v]`` and
+    ``dM = −dR [W, Ũ]ᵀ = −dR_v (Ũ − W S)ᵀ = −dR_v Uᵀ`` (strictly lower): four matmuls of the
+    chunk's size where the literal order takes six. ``M = I + diag(β) A`` and ``R = diag(β) [kf, v]``
+    give the rest.
     """
     dP = torch.bmm(dO, U.transpose(1, 2)).tril_()
     dqf = torch.bmm(dO, S_before.transpose(1, 2))
     dke = torch.bmm(U, dS_after.transpose(1, 2))
-    MinvT = Minv.transpose(1, 2)
-    dR_k = torch.bmm(MinvT, torch.bmm(dU, S_before.transpose(1, 2))).neg_()
-    dR_v = torch.bmm(MinvT, dU)
-    dM = torch.baddbmm(torch.bmm(dR_k, W.transpose(1, 2)), dR_v, Ut.transpose(1, 2)).tril_(-1).neg_()
+    dR_v = torch.bmm(Minv.transpose(1, 2), dU)
+    dR_k = torch.bmm(dR_v, S_before.transpose(1, 2)).neg_()
+    dM = torch.bmm(dR_v, U.transpose(1, 2)).tril_(-1).neg_()
     d_beta = (dM * A).sum(-1, keepdim=True) + (dR_k * kf).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True)
     return dP, dqf, dke, dM.mul_(b), dR_k.mul_(b), dR_v.mul_(b), d_beta
+
+
+def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, per_head):
+    """One group of mild chunks: ``(dq, dk, dg)`` when ``P = (Q ⊙ fs)(K ⊙ inv)ᵀ`` and ``A = (K ⊙ fs)(K ⊙ inv)ᵀ``
+    (masked; :func:`linattn.ops._decay.prefix_factors`), from :func:`_solve_backward`'s outputs.
+
+    ``dP``, ``dA`` are masked already; ``dqf``, ``dkf`` and ``dke`` are overwritten.
+    """
+    qf, kh = q * fs, k * inv
+    dqf.baddbmm_(dP, kh)                                                   # all of d (q ⊙ fs)
+    dkf.baddbmm_(dA, kh)                                                   # all of d (k ⊙ fs)
+    dkh = torch.bmm(dP.transpose(1, 2), qf).baddbmm_(dA.transpose(1, 2), kf)
+    dq = dqf * fs
+    dk = (dkf * fs).addcmul_(dkh, inv).addcmul_(dke, te)
+    a_fs = dqf.mul_(qf).addcmul_(dkf, kf)                                  # d fs ⊙ fs, and so on
+    b_inv, b_te = dkh.mul_(kh), dke.mul_(ke)
+    if per_head:
+        a_fs, b_inv, b_te = (x.sum(-1, keepdim=True) for x in (a_fs, b_inv, b_te))
+    return dq, dk, prefix_factors_backward(a_fs, b_inv, b_te, c_tot)
 
 
 class _WYChunk(torch.autograd.Function):
     """The WY chunk form with one gate per head (log-gates ``g``) or none, and a hand-written backward.
 
     The work inside chunks runs on groups of chunks (:func:`linattn.ops._decay.groups`) whose
-    temporaries stay in the CPU's cache; kept are ``Q Kᵀ``, ``K Kᵀ``, the decay factors, ``M⁻¹``,
-    ``[W, Ũ]``, ``U`` and the chunk start states. Between the groups, the scan over chunks
+    temporaries stay in the CPU's cache; kept are ``Q Kᵀ``, ``K Kᵀ`` (decayed in groups of mild
+    decay), the decay factors, ``M⁻¹``, ``W``, ``U`` and the chunk start states. Between the groups, the scan over chunks
     (``B·H`` at a time).
     """
 
@@ -227,8 +252,18 @@ class _WYChunk(torch.autograd.Function):
         D, fs, te = ((q3.new_empty(BHN, C, C), q3.new_empty(BHN, C, 1), q3.new_empty(BHN, C, 1)) if gated
                      else (None, None, None))
         parts = groups(BHN, C * max(C, Dk, Dv))
-        for grp in parts:
+        mild = mild_groups(parts, g3, q3, k3) if gated else [False] * len(parts)
+        inv = q3.new_empty(BHN, C, 1) if gated else None
+        for grp, prefix in zip(parts, mild):
             k_g = k3[grp]
+            if prefix:      # mild decay: QK and KK hold the decayed scores (q ⊙ fs)(k ⊙ inv)ᵀ, (k ⊙ fs)(k ⊙ inv)ᵀ
+                fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])
+                kf, kh = k_g * fs[grp], k_g * inv[grp]
+                torch.bmm(q3[grp] * fs[grp], kh.transpose(1, 2), out=QK[grp]).tril_()
+                A = torch.bmm(kf, kh.transpose(1, 2), out=KK[grp]).tril_(-1)
+                torch.mul(k_g, te[grp], out=ke[grp])
+                Minv[grp], W[grp], Ut[grp] = _solve(A, kf, v3[grp], b3[grp])
+                continue
             torch.bmm(q3[grp], k_g.transpose(1, 2), out=QK[grp]).tril_()   # tril_ first: an overflowing later
             torch.bmm(k_g, k_g.transpose(1, 2), out=KK[grp]).tril_(-1)      # score times 0 would be NaN
             if gated:
@@ -241,19 +276,19 @@ class _WYChunk(torch.autograd.Function):
         U, S_before, S = _scan(W, Ut, ke, tot, S0, BH, N)
         Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
         out = q3.new_empty(BHN, C, Dv)
-        for grp in parts:
+        for grp, prefix in zip(parts, mild):
             if gated:
-                P, qf = QK[grp] * D[grp], q3[grp] * fs[grp]
+                P, qf = QK[grp] if prefix else QK[grp] * D[grp], q3[grp] * fs[grp]
             else:
                 P, qf = QK[grp], q3[grp]
             torch.baddbmm(torch.bmm(qf, Sb3[grp]), P, U3[grp], out=out[grp])
-        ctx.shape = (B, H, N, C, Dk, Dv)
-        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before, D, fs, te, tot)
+        ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
+        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, g, QK, KK, Minv, W, Ut, U, S_before, D, fs, te, tot = ctx.saved_tensors
+        q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True (a second derivative): the stored intermediates are constants to
             # autograd, so differentiate the same equations op by op instead, from the inputs.
@@ -268,9 +303,9 @@ class _WYChunk(torch.autograd.Function):
         parts = groups(BHN, C * max(C, Dk, Dv))
         PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
         ke = q3.new_empty(BHN, C, Dk) if gated else k3
-        for grp in parts:
+        for grp, prefix in zip(parts, ctx.mild):
             if gated:
-                P, qf = QK[grp] * D[grp], q3[grp] * fs[grp]
+                P, qf = QK[grp] if prefix else QK[grp] * D[grp], q3[grp] * fs[grp]
                 torch.mul(k3[grp], te[grp], out=ke[grp])
             else:
                 P, qf = QK[grp], q3[grp]
@@ -281,28 +316,32 @@ class _WYChunk(torch.autograd.Function):
         U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
         dq, dk, dv, d_beta = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3), torch.empty_like(b3)
         dg = torch.empty_like(g3) if gated else None
-        for grp in parts:
+        for grp, prefix in zip(parts, ctx.mild):
             q_g, k_g = q3[grp], k3[grp]
             if gated:
                 D_g, fs_g, te_g = D[grp], fs[grp], te[grp]
-                kf, A = k_g * fs_g, KK[grp] * D_g
+                kf, A = k_g * fs_g, KK[grp] if prefix else KK[grp] * D_g
             else:
                 kf, A = k_g, KK[grp]
-            dP, dqf, dke, dKK, dkf, dv[grp], d_beta[grp] = _solve_backward(
-                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], W[grp], Ut[grp], A, kf, v3[grp], b3[grp])
+            dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
+                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], A, kf, v3[grp], b3[grp])
+            c_tot = (Sb3[grp] * dSa3[grp]).sum((-1, -2)).view(-1, 1, 1).mul_(tot[grp]) if gated else None
+            if prefix:
+                dq[grp], dk[grp], dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp],
+                                                             fs_g, inv[grp], te_g, per_head=True)
+                continue
+            dKK = dA
             if gated:
                 e_D = (dP * QK[grp]).add_(dKK * KK[grp]).mul_(D_g)           # d D ⊙ D
                 dQK, dKK = dP.mul_(D_g), dKK.mul_(D_g)
             else:
                 dQK = dP
-            dk_g = torch.bmm(dQK.transpose(1, 2), q_g)
-            dk_g.baddbmm_(dKK, k_g).baddbmm_(dKK.transpose(1, 2), k_g)
+            dk_g = torch.bmm(dQK.transpose(1, 2), q_g).baddbmm_(dKK + dKK.transpose(1, 2), k_g)   # both sides of K Kᵀ
             if gated:
                 torch.baddbmm(dqf * fs_g, dQK, k_g, out=dq[grp])
                 dk[grp] = dk_g.addcmul_(dke, te_g).addcmul_(dkf, fs_g)
                 a_fs = ((dqf * q_g).sum(-1, keepdim=True) + (dkf * k_g).sum(-1, keepdim=True)).mul_(fs_g)
                 b_te = (dke * k_g).sum(-1, keepdim=True).mul_(te_g)
-                c_tot = (Sb3[grp] * dSa3[grp]).sum((-1, -2)).view(-1, 1, 1).mul_(tot[grp])
                 dg[grp] = scalar_decay_backward(e_D, a_fs, b_te, c_tot)
             else:
                 torch.baddbmm(dqf, dQK, k_g, out=dq[grp])
@@ -316,8 +355,9 @@ class _WYChannelChunk(torch.autograd.Function):
     """The WY chunk form with one gate per key channel and a hand-written backward.
 
     The scores ``P`` and ``A`` are built and differentiated by :mod:`linattn.ops._decay`'s fast
-    path, on groups of chunks as in :class:`_WYChunk`; saved: the inputs, the scores, the decays
-    from and to the chunk's ends, ``M⁻¹``, ``[W, Ũ]``, ``U`` and the chunk start states.
+    path, or in groups of mild decay as two matmuls of rescaled queries and keys, on groups of
+    chunks as in :class:`_WYChunk`; saved: the inputs, the scores, the decays from and to the
+    chunk's ends (and ``e^{−b}`` for mild groups), ``M⁻¹``, ``W``, ``U`` and the chunk start states.
     """
 
     @staticmethod
@@ -328,13 +368,20 @@ class _WYChannelChunk(torch.autograd.Function):
         q3, k3, v3, b3, g3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta, g))
         P, A, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
         W, Ut, ke = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, C, Dk)
-        fs, te, tot = torch.empty_like(k3), torch.empty_like(k3), k3.new_empty(BHN, 1, Dk)
+        fs, te, tot, inv = torch.empty_like(k3), torch.empty_like(k3), k3.new_empty(BHN, 1, Dk), torch.empty_like(k3)
         parts = groups(BHN, C * max(C, Dk, Dv))
-        for grp in parts:
+        mild = mild_groups(parts, g3, q3, k3)
+        for grp, prefix in zip(parts, mild):
             k_g = k3[grp]
-            P[grp], products = scores_fast(q3[grp], k_g, False, g3[grp])
-            A[grp], _ = scores_fast(k_g, k_g, True, g3[grp])
-            fs[grp], te[grp], tot[grp] = products.ends()
+            if prefix:
+                fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])
+                kh = k_g * inv[grp]
+                torch.bmm(q3[grp] * fs[grp], kh.transpose(1, 2), out=P[grp]).tril_()
+                torch.bmm(k_g * fs[grp], kh.transpose(1, 2), out=A[grp]).tril_(-1)
+            else:
+                P[grp], products = scores_fast(q3[grp], k_g, False, g3[grp])
+                A[grp], _ = scores_fast(k_g, k_g, True, g3[grp])
+                fs[grp], te[grp], tot[grp] = products.ends()
             torch.mul(k_g, te[grp], out=ke[grp])
             Minv[grp], W[grp], Ut[grp] = _solve(A[grp], k_g * fs[grp], v3[grp], b3[grp])
         tot_t = tot.transpose(1, 2)                                       # (BHN, Dk, 1): per key channel
@@ -343,13 +390,13 @@ class _WYChannelChunk(torch.autograd.Function):
         out = q3.new_empty(BHN, C, Dv)
         for grp in parts:
             torch.baddbmm(torch.bmm(q3[grp] * fs[grp], Sb3[grp]), P[grp], U3[grp], out=out[grp])
-        ctx.shape = (B, H, N, C, Dk, Dv)
-        ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, Minv, W, Ut, U, S_before)
+        ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
+        ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, inv, Minv, W, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, g, P, A, fs, te, tot, Minv, W, Ut, U, S_before = ctx.saved_tensors
+        q, k, v, beta, S0, g, P, A, fs, te, tot, inv, Minv, W, U, S_before = ctx.saved_tensors
         if torch.is_grad_enabled():
             return differentiable_backward(_forward_channel, (q, k, v, beta, S0, g), d_out, d_S)
         B, H, N, C, Dk, Dv = ctx.shape
@@ -367,11 +414,16 @@ class _WYChannelChunk(torch.autograd.Function):
         del PdO, QdO
         U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
         dq, dk, dv, d_beta, dg = (torch.empty_like(x) for x in (q3, k3, v3, b3, g3))
-        for grp in parts:
+        for grp, prefix in zip(parts, ctx.mild):
             q_g, k_g, fs_g, te_g = q3[grp], k3[grp], fs[grp], te[grp]
             kf = k_g * fs_g
             dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
-                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], W[grp], Ut[grp], A[grp], kf, v3[grp], b3[grp])
+                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], A[grp], kf, v3[grp], b3[grp])
+            c_tot = (Sb3[grp] * dSa3[grp]).sum(-1).unsqueeze(-2).mul_(tot[grp])   # d total ⊙ total
+            if prefix:
+                dq[grp], dk[grp], dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp],
+                                                             fs_g, inv[grp], te_g, per_head=False)
+                continue
             dq_g, dk_p, a_p, b_p, _ = scores_fast_backward(dP, q_g, k_g, False, g3[grp])
             dk_x, dk_y, a_a, b_a, _ = scores_fast_backward(dA, k_g, k_g, True, g3[grp])
             dq[grp] = dq_g.addcmul_(dqf, fs_g)
@@ -379,7 +431,6 @@ class _WYChannelChunk(torch.autograd.Function):
             a_levels = [x.add_(y) for x, y in zip(a_p, a_a)]
             b_levels = [None if x is None else x.add_(y) for x, y in zip(b_p, b_a)]
             a_fs = dqf.mul_(q_g).mul_(fs_g).addcmul_(dkf, kf)                 # d from_start ⊙ from_start
-            c_tot = (Sb3[grp] * dSa3[grp]).sum(-1).unsqueeze(-2).mul_(tot[grp])   # d total ⊙ total
             dg[grp] = level_products_backward(a_fs, dke.mul_(ke[grp]), c_tot, a_levels, b_levels)
         shape = (B, H, N, C)
         return (dq.view(*shape, Dk), dk.view(*shape, Dk), dv.view(*shape, Dv), d_beta.view(*shape, 1),
