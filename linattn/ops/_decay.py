@@ -244,7 +244,7 @@ def groups(n: int, per_item: int) -> list[slice]:
 # Where a chunk's total decay is mild, the products over ranges need not be built range by
 # range: with ``b_t = Σ_{r<=t} g_r`` the decayed scores are ``(x ⊙ e^{b}) (y ⊙ e^{−b})ᵀ``, one
 # matmul (the chunk form of Katharopoulos et al. with the gates folded into the features, as
-# in Yang et al., 2024, eq. 4 of arXiv:2312.06635 before its secondary chunking). Its factors
+# in the chunkwise form of Yang et al., 2024, arXiv:2312.06635, before its secondary chunking). Its factors
 # stay in ``[e^{−R}, e^{R}]`` for a chunk whose total log-decay is ``−R``, so for ``R <=
 # MILD_DECAY`` nothing overflows, and a factor ``e^{b_t − b_s}`` carries a rounding error of
 # about ``2R`` units (the cumulative sum's and the exponentials'): at ``R = 16`` float32's

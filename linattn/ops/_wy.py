@@ -149,38 +149,42 @@ def _unit_lower_inverse(M: Tensor) -> Tensor:
 def _scan(W, Ut, ke, tot, S0, BH, N):
     """The pass over chunks: ``U_n = Ũ_n − W_n S``, ``S <- total_n S + K̂_nᵀ U_n``; ``(U, S_before, S_final)``.
 
-    ``W``, ``ke`` ``(B·H·N, C, Dk)``, ``Ut`` ``(…, C, Dv)``, ``tot`` None or ``(B·H·N, 1 or Dk, 1)``.
+    ``W``, ``ke`` ``(B·H·N, C, Dk)``, ``Ut`` ``(…, C, Dv)`` (a buffer of the caller's: ``U`` is
+    written over it), ``tot`` None or ``(B·H·N, 1 or Dk, 1)``. Each state is written straight into
+    ``S_before``.
     """
     BHN, C, Dk = W.shape
     Dv = Ut.shape[-1]
-    W4, Ut4, ke4 = W.view(BH, N, C, Dk), Ut.view(BH, N, C, Dv), ke.view(BH, N, C, Dk)
+    W4, U4, ke4 = W.view(BH, N, C, Dk), Ut.view(BH, N, C, Dv), ke.view(BH, N, C, Dk)
     tot4 = None if tot is None else tot.view(BH, N, tot.shape[-2], 1)
-    U = W.new_empty(BH, N, C, Dv)
     S_before = W.new_empty(BH, N, Dk, Dv)
-    S = S0.reshape(BH, Dk, Dv)
+    S = S_before[:, 0]
+    S.copy_(S0.reshape(BH, Dk, Dv))
     for n in range(N):
-        S_before[:, n] = S
-        U_n = torch.baddbmm(Ut4[:, n], W4[:, n], S, alpha=-1.0)        # U = Ũ − W S
-        U[:, n] = U_n
-        S = torch.baddbmm(S if tot4 is None else tot4[:, n] * S, ke4[:, n].transpose(1, 2), U_n)
-    return U, S_before, S
+        U_n = U4[:, n].baddbmm_(W4[:, n], S, alpha=-1.0)                 # U = Ũ − W S
+        S = torch.baddbmm(S if tot4 is None else tot4[:, n] * S, ke4[:, n].transpose(1, 2), U_n,
+                          out=S_before[:, n + 1] if n + 1 < N else None)
+    return U4, S_before, S
 
 
 def _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N):
-    """The reverse pass: ``dU_n = Pᵀ dO + K̂ dS_{n+1}``, ``dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n``; ``(dU, dS_after, dS0)``."""
+    """The reverse pass: ``dU_n = Pᵀ dO + K̂ dS_{n+1}``, ``dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n``; ``(dU, dS_after, dS0)``.
+
+    ``PdO`` (a buffer of the caller's) is overwritten by ``dU``.
+    """
     BHN, C, Dk = W.shape
     Dv = PdO.shape[-1]
-    PdO4, QdO4, W4, ke4 = PdO.view(BH, N, C, Dv), QdO.view(BH, N, Dk, Dv), W.view(BH, N, C, Dk), ke.view(BH, N, C, Dk)
+    dU4, QdO4, W4, ke4 = PdO.view(BH, N, C, Dv), QdO.view(BH, N, Dk, Dv), W.view(BH, N, C, Dk), ke.view(BH, N, C, Dk)
     tot4 = None if tot is None else tot.view(BH, N, tot.shape[-2], 1)
-    dU = W.new_empty(BH, N, C, Dv)
     dS_after = W.new_empty(BH, N, Dk, Dv)
+    dS_after[:, N - 1] = dS
+    dS = dS_after[:, N - 1]
     for n in range(N - 1, -1, -1):
-        dS_after[:, n] = dS
-        dU_n = torch.baddbmm(PdO4[:, n], ke4[:, n], dS)
-        dU[:, n] = dU_n
+        dU_n = dU4[:, n].baddbmm_(ke4[:, n], dS)
         carried = (dS if tot4 is None else tot4[:, n] * dS) + QdO4[:, n]
-        dS = torch.baddbmm(carried, W4[:, n].transpose(1, 2), dU_n, alpha=-1.0)
-    return dU, dS_after, dS
+        dS = torch.baddbmm(carried, W4[:, n].transpose(1, 2), dU_n, alpha=-1.0,
+                           out=dS_after[:, n - 1] if n > 0 else None)
+    return dU4, dS_after, dS
 
 
 def _solve(A, kf, v, b):

@@ -58,7 +58,7 @@ def gated_linear_attention(
     instead of overflowing, and the gradient of a strongly decaying gate keeps its relative
     accuracy. A chunk whose total decay is mild (``Σ log_g >= −16`` in every channel, and inputs
     far from overflow) takes one matmul instead, ``(q ⊙ e^{b})(k ⊙ e^{−b})ᵀ`` with ``b`` the
-    cumulative log-gate from the chunk's start (GLA's eq. 4 before its secondary chunking): its
+    cumulative log-gate from the chunk's start (GLA's chunkwise form before its secondary chunking): its
     factors lie in ``[e^{-16}, e^{16}]``, and its rounding is float32's (measured at the bound:
     at most 6e-7 of the largest output or gradient). The backward pass is written by hand; it stores the scores (``C`` numbers per
     token), the decays from and to the chunk's ends and the chunk start states
