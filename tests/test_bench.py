@@ -390,6 +390,35 @@ def test_variants_flag_selects_decay_variants(capsys):
         bench.main(["--variants", "delta"])
 
 
+def test_gate_temperature_sets_the_gates_and_is_recorded(tmp_path, capsys):
+    """--gate-temperature TAU: log_g = logsigmoid(x)/TAU (16 by default, GLA's), in the title, the rows and the JSON."""
+    from linattn.bench.run import _decay_inputs
+    for variant in ("gla", "gated_delta", "gated_delta_channel"):
+        _, _, _, (g16, *_) = _decay_inputs(variant, 1, 2, 64, 4, torch.float32, torch.device("cpu"), 0)
+        _, _, _, (g1, *_) = _decay_inputs(variant, 1, 2, 64, 4, torch.float32, torch.device("cpu"), 0, 1.0)
+        torch.testing.assert_close(g1, g16 * 16)
+    out_json = tmp_path / "decay.json"
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--variants", "gla", "--gate-temperature", "2",
+                       "--json", str(out_json)]) == 0
+    assert "gates logsigmoid(x)/2, C=8:" in capsys.readouterr().out.splitlines()[0]
+    data = json.loads(out_json.read_text())
+    assert data["metadata"]["gate_temperature"] == 2.0
+    assert {r["gate_temperature"] for r in data["results"]} == {2.0}
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--variants", "gla"]) == 0
+    assert "gates logsigmoid(x)/16, C=8:" in capsys.readouterr().out.splitlines()[0]
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            bench.main([*DECAY_TINY, "--seq-lens", "8", "--gate-temperature", bad])
+        assert exc.value.code == 2 and "--gate-temperature" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--gate-temperature", "2"])
+    assert exc.value.code == 2 and "--gate-temperature applies to --decay only" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="gate_temperature"):
+        bench.run_decay_benchmark([8], gate_temperature=float("inf"))
+    with pytest.raises(TypeError, match="gate_temperature"):
+        bench.run_decay_benchmark([8], gate_temperature="16")
+
+
 def test_machine_info_records_the_commit():
     """A cached measurement names the code it measured, as the studies' provenance does."""
     info = bench.machine_info("cpu")

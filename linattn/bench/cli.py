@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Callable, Optional, Sequence
@@ -35,6 +36,14 @@ def _arg_number(convert: type, minimum: float, strict: bool, what: str) -> Calla
 _positive_int = _arg_number(int, 0, True, "a positive integer")
 _non_negative_int = _arg_number(int, 0, False, "a non-negative integer")
 _positive_float = _arg_number(float, 0.0, True, "a positive number")
+
+
+def _positive_finite_float(text: str) -> float:
+    """An argparse ``type``: a positive finite number."""
+    value = _positive_float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
              "--plot do not apply (and are refused)")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
+    add("--gate-temperature", type=_positive_finite_float, default=None, metavar="TAU",
+        help="with --decay: gates log_g = logsigmoid(x)/TAU for GLA and the gated delta rule (default: 16, "
+             "GLA's; 1 gives chunks of strong decay)")
     return parser
 
 
@@ -100,8 +112,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             ("--reference", None if args.reference == "chunk" else args.reference)):
             if value is not None:
                 parser.error(f"{flag} does not apply to --decay")
-    elif args.variants is not None:
-        parser.error("--variants applies to --decay only")
+    else:
+        for flag, value in (("--variants", args.variants), ("--gate-temperature", args.gate_temperature)):
+            if value is not None:
+                parser.error(f"{flag} applies to --decay only")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -156,7 +170,8 @@ def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[S
     variants = list(DECAY_VARIANTS) if args.variants is None else args.variants
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                     chunk_size=args.chunk_size, repeats=args.repeats, warmup=args.warmup,
-                    backward=not args.no_backward, seed=args.seed)
+                    backward=not args.no_backward, seed=args.seed,
+                    gate_temperature=16.0 if args.gate_temperature is None else args.gate_temperature)
     results = run_decay_benchmark(seq_lens, variants=variants, **settings, progress=not args.no_progress)
     print(format_decay_table(results))
     if args.json is not None:

@@ -196,8 +196,8 @@ def format_decay_table(results: Sequence[dict]) -> str:
     threads = _threads_text(results)
     where = first.get("device_name") or first["device"]
     title = (f"linattn decay family on {first['device']} ({where}){', ' + threads if threads else ''}, "
-             f"{first['dtype']}, B={first['batch']} H={first['heads']} D=Dv={first['head_dim']}, {chunk_text}: "
-             "chunk vs recurrent")
+             f"{first['dtype']}, B={first['batch']} H={first['heads']} D=Dv={first['head_dim']}{_gates_text(results)}, "
+             f"{chunk_text}: chunk vs recurrent")
     legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; ±: half the range of the "
               "repetitions over the median; rec/chunk: recurrent time / chunk time (> 1: the chunk form is "
               "faster)")
@@ -207,6 +207,12 @@ def format_decay_table(results: Sequence[dict]) -> str:
     else:
         legend += "."
     return "\n".join([title, "", *lines, "", legend])
+
+
+def _gates_text(results: Sequence[dict]) -> str:
+    """``", gates logsigmoid(x)/16"`` when the rows record a gate temperature, else ``""``."""
+    taus = {r["gate_temperature"] for r in results if r.get("gate_temperature") is not None}
+    return f", gates logsigmoid(x)/{taus.pop():g}" if len(taus) == 1 else ""
 
 
 def plot_results(results: Sequence[dict], path: Union[str, os.PathLike]) -> None:

@@ -327,24 +327,25 @@ DEFAULT_DECAY_SEQ_LENS = (4096,)
 
 
 def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
-                  seed: int) -> tuple[Tensor, ...]:
+                  seed: int, gate_temperature: float = 16.0) -> tuple[Tensor, ...]:
     """Seeded q, k, v (leaves that require grad) and the variant's decay argument.
 
-    retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/16``
-    (GLA's gate with temperature 16); delta: L2-normalised keys and ``β = sigmoid(x)``;
-    gated_delta (one gate per head) and gated_delta_channel (one per key channel): as delta, with
-    ``log_g = logsigmoid(x)/16``. The decay arguments are returned as a tuple.
+    retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/τ``
+    (GLA's gate with temperature ``τ = gate_temperature``, 16 in the paper); delta: L2-normalised
+    keys and ``β = sigmoid(x)``; gated_delta (one gate per head) and gated_delta_channel (one per
+    key channel): as delta, with ``log_g = logsigmoid(x)/τ``. The decay arguments are returned as
+    a tuple.
     """
     gen = torch.Generator().manual_seed(seed)
     q, k, v, x = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))     # (B, H, T, D)
     if variant == "retention":
         extra = (1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float64)),)         # (H,)
     elif variant == "gla":
-        extra = (F.logsigmoid(x) / 16,)                                          # (B, H, T, D)
+        extra = (F.logsigmoid(x) / gate_temperature,)                            # (B, H, T, D)
     else:
         k = F.normalize(k, dim=-1)
         beta = torch.sigmoid(x[..., 0])                                          # (B, H, T)
-        log_g = F.logsigmoid(x.flip(-1)) / 16                                    # (B, H, T, D)
+        log_g = F.logsigmoid(x.flip(-1)) / gate_temperature                      # (B, H, T, D)
         extra = {"delta": (beta,), "gated_delta": (log_g[..., 0], beta),
                  "gated_delta_channel": (log_g, beta)}[variant]
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
@@ -368,6 +369,7 @@ def run_decay_benchmark(
     seed: int = 0,
     progress: bool = False,
     threads: Optional[int] = None,
+    gate_temperature: float = 16.0,
 ) -> list[dict]:
     """Time the decay family: chunk and recurrent forms, and the ungated update as the yardstick.
 
@@ -395,6 +397,10 @@ def run_decay_benchmark(
     threads : int, optional
         ``torch.set_num_threads(threads)`` for the run (restored afterwards); None keeps the
         current setting.
+    gate_temperature : float
+        ``τ`` of the gates ``log_g = logsigmoid(x)/τ`` (GLA, gated delta), positive and finite.
+        GLA's 16 gives a chunk of 64 tokens a total log-decay of about −3 (the chunk forms' prefix
+        form for mild decays); 1 gives about −50 (their range-by-range products).
 
     Returns
     -------
@@ -402,15 +408,19 @@ def run_decay_benchmark(
         One dict per (T, variant, method), the ungated row first, with keys ``variant``,
         ``method``, ``seq_len``, ``batch``, ``heads``, ``head_dim``, ``chunk_size``,
         ``effective_chunk_size`` (``min(chunk_size, T)``), ``dtype``, ``device``, ``device_name``,
-        ``threads``, ``fwd_s`` and ``fwd_bwd_s`` (medians), ``fwd_times`` and ``fwd_bwd_times``,
+        ``threads``, ``gate_temperature``, ``fwd_s`` and ``fwd_bwd_s`` (medians), ``fwd_times`` and ``fwd_bwd_times``,
         ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured).
 
     Raises
     ------
     TypeError, ValueError
-        Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``,
-        CUDA requested but not available.
+        Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``, a
+        ``gate_temperature`` that is not a positive finite number, CUDA requested but not available.
     """
+    if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)):
+        raise TypeError(f"gate_temperature must be a number, got {type(gate_temperature).__name__}")
+    if not (math.isfinite(gate_temperature) and gate_temperature > 0):
+        raise ValueError(f"gate_temperature must be positive and finite, got {gate_temperature!r}")
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype)
     variants = list(dict.fromkeys(variants))
@@ -430,11 +440,11 @@ def run_decay_benchmark(
         _check_positive_int(threads, "threads")
     with pinned_threads(threads):
         return _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
-                           backward, seed, progress)
+                           backward, seed, progress, float(gate_temperature))
 
 
 def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
-                backward, seed, progress) -> list[dict]:
+                backward, seed, progress, gate_temperature) -> list[dict]:
     """The timing loop of :func:`run_decay_benchmark` (arguments already checked)."""
     from ..attention import linear_attention
     from ..ops import delta, gated_delta, gla, retention
@@ -452,7 +462,7 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                   lambda q, k, v: linear_attention(q, k, v, feature_map=None, normalize=False, causal=True,
                                                    chunk_size=chunk_size))]
         for variant in variants:
-            q, k, v, extra = _decay_inputs(variant, batch, heads, T, head_dim, dtype, device, seed)
+            q, k, v, extra = _decay_inputs(variant, batch, heads, T, head_dim, dtype, device, seed, gate_temperature)
             for method in ("chunk", "recurrent"):
                 calls.append((variant, method, (q, k, v),
                               lambda q, k, v, f=functions[variant], e=extra, m=method: f(
@@ -463,7 +473,7 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
             cells.append(dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
                               head_dim=head_dim, chunk_size=chunk_size, effective_chunk_size=min(chunk_size, T),
                               dtype=_dtype_name(dtype), device=str(device), device_name=_device_name(device),
-                              threads=torch.get_num_threads(), fwd_s=None, fwd_bwd_s=None, fwd_times=[],
+                              threads=torch.get_num_threads(), gate_temperature=gate_temperature, fwd_s=None, fwd_bwd_s=None, fwd_times=[],
                               fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None))
         passes = [("fwd", fwd)] + ([("fwd_bwd", fwd_bwd)] if backward else [])
         for name, fns in passes:

@@ -287,12 +287,13 @@ class _WYChunk(torch.autograd.Function):
                 P, qf = QK[grp], q3[grp]
             torch.baddbmm(torch.bmm(qf, Sb3[grp]), P, U3[grp], out=out[grp])
         ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
-        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv)
+        ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv,
+                              ke if gated else None)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv = ctx.saved_tensors
+        q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv, ke = ctx.saved_tensors
         if torch.is_grad_enabled():
             # create_graph=True (a second derivative): the stored intermediates are constants to
             # autograd, so differentiate the same equations op by op instead, from the inputs.
@@ -306,11 +307,10 @@ class _WYChunk(torch.autograd.Function):
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
         parts = groups(BHN, C * max(C, Dk, Dv))
         PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
-        ke = q3.new_empty(BHN, C, Dk) if gated else k3
+        ke = ke if gated else k3                                             # K ⊙ to_end, kept from the forward pass
         for grp, prefix in zip(parts, ctx.mild):
             if gated:
                 P, qf = QK[grp] if prefix else QK[grp] * D[grp], q3[grp] * fs[grp]
-                torch.mul(k3[grp], te[grp], out=ke[grp])
             else:
                 P, qf = QK[grp], q3[grp]
             torch.bmm(P.transpose(1, 2), dO[grp], out=PdO[grp])
@@ -395,12 +395,12 @@ class _WYChannelChunk(torch.autograd.Function):
         for grp in parts:
             torch.baddbmm(torch.bmm(q3[grp] * fs[grp], Sb3[grp]), P[grp], U3[grp], out=out[grp])
         ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
-        ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, inv, Minv, W, U, S_before)
+        ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, inv, ke, Minv, W, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
     @staticmethod
     def backward(ctx, d_out, d_S):
-        q, k, v, beta, S0, g, P, A, fs, te, tot, inv, Minv, W, U, S_before = ctx.saved_tensors
+        q, k, v, beta, S0, g, P, A, fs, te, tot, inv, ke, Minv, W, U, S_before = ctx.saved_tensors
         if torch.is_grad_enabled():
             return differentiable_backward(_forward_channel, (q, k, v, beta, S0, g), d_out, d_S)
         B, H, N, C, Dk, Dv = ctx.shape
@@ -409,11 +409,10 @@ class _WYChannelChunk(torch.autograd.Function):
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
         parts = groups(BHN, C * max(C, Dk, Dv))
-        PdO, QdO, ke = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv), q3.new_empty(BHN, C, Dk)
+        PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
         for grp in parts:
             torch.bmm(P[grp].transpose(1, 2), dO[grp], out=PdO[grp])
             torch.bmm((q3[grp] * fs[grp]).transpose(1, 2), dO[grp], out=QdO[grp])
-            torch.mul(k3[grp], te[grp], out=ke[grp])
         dU, dS_after, dS0 = _scan_backward(PdO, QdO, W, ke, tot.transpose(1, 2), dS, BH, N)
         del PdO, QdO
         U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
