@@ -79,8 +79,8 @@ def gated_delta_rule(
     factors in ``[e^{-16}, e^{16}]`` and float32's rounding (measured at the bound: at most
     6.4e-7 of the largest output or gradient, against 7.2e-7 for the range sums). Forward and
     backward work for ragged ``T``; float16/bfloat16 inputs compute in float32 with a float32
-    state. The backward pass is written by hand (:mod:`linattn.ops._wy`; with one gate per head
-    autograd differentiates only the decay factors); for second derivatives, under ``torch.func``
+    state. The backward pass is written by hand (:mod:`linattn.ops._wy`), the gradient of the
+    log-gates included; for second derivatives, under ``torch.func``
     and ``torch.compile`` and with forward-mode AD autograd differentiates the same equations op
     by op. Per key channel the chunk holds ``chunk_size`` rounded up to a power of two tokens.
 
