@@ -441,16 +441,20 @@ class _WYChannelChunk(torch.autograd.Function):
 
 
 def _use_op_by_op(inputs) -> bool:
-    """The op-by-op form: no gradient needed (no graph to save), or autograd must see every operation."""
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    return not needs_grad or autograd_must_see_every_op(*inputs)
+    """The op-by-op form: only where autograd must see every operation.
+
+    Without a gradient to compute (``torch.no_grad``, inference) the Functions run too: their
+    forward pass is the fast one (blocked inverse, groups in cache, the prefix form), and
+    nothing is kept once the call returns.
+    """
+    return autograd_must_see_every_op(*inputs)
 
 
 def wy_chunk(q, k, v, beta, S0, g=None) -> tuple[Tensor, Tensor]:
     """``(out (B, H, N, C, Dv), S_final)`` of the WY chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none.
 
-    With gradients needed (and outside ``torch.func`` transforms, ``torch.compile`` and forward-mode
-    AD, where autograd differentiates the same equations op by op) through :class:`_WYChunk`.
+    Through :class:`_WYChunk`, with or without gradients, except under ``torch.func`` transforms,
+    ``torch.compile`` and forward-mode AD, where autograd differentiates the same equations op by op.
     """
     inputs = (q, k, v, beta, S0, g)
     return _forward(*inputs) if _use_op_by_op(inputs) else _WYChunk.apply(*inputs)
