@@ -406,15 +406,22 @@ def test_gate_temperature_sets_the_gates_and_is_recorded(tmp_path, capsys):
     assert {r["gate_temperature"] for r in data["results"]} == {2.0}
     assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--variants", "gla"]) == 0
     assert "gates logsigmoid(x)/16, C=8:" in capsys.readouterr().out.splitlines()[0]
-    for bad in ("0", "-1", "inf", "nan"):
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--variants", "delta", "--gate-temperature", "2"]) == 0
+    assert "gates" not in capsys.readouterr().out.splitlines()[0]          # no variant with these gates ran
+    import numpy as np
+    rows = bench.run_decay_benchmark([8], variants=["gla"], heads=1, head_dim=4, repeats=1, warmup=0,
+                                     backward=False, gate_temperature=np.float32(2.0))
+    assert {r["gate_temperature"] for r in rows} == {2.0}
+    for bad in ("0", "-1", "inf", "nan", "1e-300"):
         with pytest.raises(SystemExit) as exc:
             bench.main([*DECAY_TINY, "--seq-lens", "8", "--gate-temperature", bad])
         assert exc.value.code == 2 and "--gate-temperature" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         bench.main(["--gate-temperature", "2"])
     assert exc.value.code == 2 and "--gate-temperature applies to --decay only" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="gate_temperature"):
-        bench.run_decay_benchmark([8], gate_temperature=float("inf"))
+    for bad in (float("inf"), 1e-39):
+        with pytest.raises(ValueError, match="gate_temperature"):
+            bench.run_decay_benchmark([8], gate_temperature=bad)
     with pytest.raises(TypeError, match="gate_temperature"):
         bench.run_decay_benchmark([8], gate_temperature="16")
 

@@ -28,7 +28,7 @@ def _inputs(family, T, D, seed, log_g=None, dtype=torch.float64):
     beta = torch.rand(B, H, T, generator=g, dtype=dtype)
     shape = (B, H, T) if family == "gated_delta" else (B, H, T, D)
     if log_g is None:
-        log_g = F.logsigmoid(torch.randn(*shape, generator=g, dtype=dtype)) / 4
+        log_g = F.logsigmoid(torch.randn(*shape, generator=g, dtype=dtype)) / 8   # every gate >= e^-1 here
     S0 = torch.randn(B, H, D, D, generator=g, dtype=dtype)
     return [x.detach().clone().requires_grad_() for x in (q, k, v, log_g.expand(shape), beta, S0)]
 
@@ -64,7 +64,7 @@ def choices(monkeypatch):
 
 
 def test_mild_groups_decide_by_depth_size_and_finite_entries():
-    C, D = 8, 4
+    C, D = 32, 4
     g = torch.full((4, C, 1), -(_decay.MILD_DECAY - 0.5) / C)      # depth just below the bound
     g[1] = -(_decay.MILD_DECAY + 0.5) / C                           # and just above it
     x, y = torch.ones(4, C, D), torch.ones(4, C, D)
@@ -122,7 +122,7 @@ def test_float32_accuracy_at_the_bound(family, monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_prefix_form_is_the_one_used_for_mild_gates_only(family, choices):
     T, C, D = 64, 32, 4
-    mild = _inputs(family, T, D, 2)                                   # logsigmoid(x)/4: depth ~ 3 per chunk
+    mild = _inputs(family, T, D, 2)                                   # logsigmoid(x)/8: depth ~ 3 per chunk
     _grads(family, mild, "chunk", C)
     assert choices and all(choices)
     choices.clear()
@@ -150,3 +150,26 @@ def test_the_bound_keeps_every_factor_finite_in_float32():
     g = torch.full((1, 64, 1), -_decay.MILD_DECAY / 64)
     assert all(torch.isfinite(x).all() for x in _decay.prefix_factors(g))
     assert math.exp(3 * _decay.MILD_DECAY) < torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_strong_gate_sends_its_chunk_to_the_ranges(family, choices):
+    """A single gate below e^{-MILD_GATE} in a chunk of slow decay (total depth far below the bound):
+    the prefix form would leave that gate's gradient as a difference of large sums (found by a
+    new-user test: one gate of e^{-15.9} got a float32 gradient 3-9 times off). The chunk takes the
+    ranges, and the gradient of the strong gate keeps its relative accuracy."""
+    T, C, D = 64, 64, 8
+    shape = (2, 3, T) if family == "gated_delta" else (2, 3, T, D)
+    log_g = torch.full(shape, -0.01, dtype=torch.float64)
+    log_g[:, :, 20] = -(_decay.MILD_GATE + 0.5)
+    xs64 = _inputs(family, T, D, 5, log_g)
+    truth = _grads(family, xs64, "recurrent", C)[5]
+    xs = [x.detach().float().requires_grad_() for x in xs64]
+    got = _grads(family, xs, "chunk", C)[5].double()
+    assert choices and not any(choices)
+    spike = (slice(None), slice(None), 20)
+    assert (got[spike] - truth[spike]).abs().max() < 1e-5 * truth[spike].abs().max()
+    choices.clear()
+    log_g[:, :, 20] = -(_decay.MILD_GATE - 0.5)                      # within the bound: the prefix form
+    _grads(family, _inputs(family, T, D, 5, log_g), "chunk", C)
+    assert choices and all(choices)

@@ -12,7 +12,8 @@ import torch
 
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS
 from .report import format_decay_table, format_table, machine_info, plot_results
-from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_SEQ_LENS, DTYPES, _resolve_device,
+from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_SEQ_LENS, DTYPES, MIN_GATE_TEMPERATURE,
+                  _resolve_device,
                   run_benchmark, run_decay_benchmark)
 from .timing import pinned_threads
 
@@ -38,11 +39,12 @@ _non_negative_int = _arg_number(int, 0, False, "a non-negative integer")
 _positive_float = _arg_number(float, 0.0, True, "a positive number")
 
 
-def _positive_finite_float(text: str) -> float:
-    """An argparse ``type``: a positive finite number."""
+def _gate_temperature(text: str) -> float:
+    """An argparse ``type``: a finite number of at least ``MIN_GATE_TEMPERATURE``."""
     value = _positive_float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    if not (math.isfinite(value) and value >= MIN_GATE_TEMPERATURE):
+        raise argparse.ArgumentTypeError(f"expected a finite number of at least {MIN_GATE_TEMPERATURE:g}, "
+                                         f"got {text!r}")
     return value
 
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
              "--plot do not apply (and are refused)")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
-    add("--gate-temperature", type=_positive_finite_float, default=None, metavar="TAU",
+    add("--gate-temperature", type=_gate_temperature, default=None, metavar="TAU",
         help="with --decay: gates log_g = logsigmoid(x)/TAU for GLA and the gated delta rule (default: 16, "
              "GLA's; 1 gives chunks of strong decay)")
     return parser

@@ -211,7 +211,8 @@ def format_decay_table(results: Sequence[dict]) -> str:
 
 def _gates_text(results: Sequence[dict]) -> str:
     """``", gates logsigmoid(x)/16"`` when the rows record a gate temperature, else ``""``."""
-    taus = {r["gate_temperature"] for r in results if r.get("gate_temperature") is not None}
+    taus = {r["gate_temperature"] for r in results if r.get("gate_temperature") is not None
+            and r["variant"] in ("gla", "gated_delta", "gated_delta_channel")}   # the variants with these gates
     return f", gates logsigmoid(x)/{taus.pop():g}" if len(taus) == 1 else ""
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from typing import Callable, Optional, Sequence, Union
@@ -324,6 +325,7 @@ def _memory_limit(max_memory_gb: Optional[float], device: torch.device) -> float
 
 DECAY_VARIANTS = ("retention", "gla", "delta", "gated_delta", "gated_delta_channel")
 DEFAULT_DECAY_SEQ_LENS = (4096,)
+MIN_GATE_TEMPERATURE = 1e-6
 
 
 def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
@@ -398,7 +400,8 @@ def run_decay_benchmark(
         ``torch.set_num_threads(threads)`` for the run (restored afterwards); None keeps the
         current setting.
     gate_temperature : float
-        ``τ`` of the gates ``log_g = logsigmoid(x)/τ`` (GLA, gated delta), positive and finite.
+        ``τ`` of the gates ``log_g = logsigmoid(x)/τ`` (GLA, gated delta), finite and at least
+        ``1e-6``.
         GLA's 16 gives a chunk of 64 tokens a total log-decay of about −3 (the chunk forms' prefix
         form for mild decays); 1 gives about −50 (their range-by-range products).
 
@@ -417,10 +420,11 @@ def run_decay_benchmark(
         Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``, a
         ``gate_temperature`` that is not a positive finite number, CUDA requested but not available.
     """
-    if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)):
-        raise TypeError(f"gate_temperature must be a number, got {type(gate_temperature).__name__}")
-    if not (math.isfinite(gate_temperature) and gate_temperature > 0):
-        raise ValueError(f"gate_temperature must be positive and finite, got {gate_temperature!r}")
+    if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, numbers.Real):
+        raise TypeError(f"gate_temperature must be a real number, got {type(gate_temperature).__name__}")
+    if not (math.isfinite(gate_temperature) and gate_temperature >= MIN_GATE_TEMPERATURE):
+        raise ValueError(f"gate_temperature must be finite and at least {MIN_GATE_TEMPERATURE:g} (smaller ones make "
+                         f"float32 log-gates -inf), got {gate_temperature!r}")
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype)
     variants = list(dict.fromkeys(variants))

@@ -252,21 +252,32 @@ def groups(n: int, per_item: int) -> list[slice]:
 # stronger take the range-by-range products above, whose every factor is ``<= 1``.
 
 MILD_DECAY = 16.0
+MILD_GATE = 1.0
+# A single strong gate inside a chunk is the other limit: the gradient of its log-gate, a sum over
+# the pairs of tokens on either side of it, each carrying its factor e^{g_r}, comes out of the
+# prefix form as a difference of sums over all pairs, so its relative error grows like e^{|g_r|}
+# (measured, float32, one gate of e^{-1} among gates of e^{-0.01}: 2e-4 of that gradient against
+# 9e-6 for the ranges; e^{-10}: 0.3). So every log-gate of a prefix chunk is ``>= −MILD_GATE``.
 
 
 def mild_groups(parts: list[slice], g: Tensor, x: Tensor, y: Tensor) -> list[bool]:
     """Per group of chunks: may it use :func:`prefix_factors`? (every chunk's total log-decay
-    ``−Σ g >= −MILD_DECAY`` in every channel, and ``Dk · max|x| · max|y| · e^{MILD_DECAY}``
-    far below the dtype's largest number, so no score or gradient of the prefix form overflows).
+    ``−Σ g >= −MILD_DECAY`` in every channel, every log-gate ``>= −MILD_GATE``, and ``Dk · max|x|
+    · max|y| · e^{MILD_DECAY}`` far below the dtype's largest number, so no score overflows;
+    a gradient overflows only where the true one is within ``e^{MILD_DECAY}`` of overflowing).
+
+    The choice is per group of chunks (:func:`groups`), so the last bits of a chunk's results
+    can depend on the other chunks of its group.
 
     ``g`` ``(n, C, 1 or Dk)``, ``x``, ``y`` ``(n, C, Dk)``; one host synchronisation. Non-finite
     entries of ``x`` and ``y`` do not count: the choice stays that of the finite inputs, so the
     outputs before a NaN are bit for bit those without it (:func:`linattn.ops._common.run`).
     """
     depth = g.sum(1).amin(-1).neg()                                         # (n,): −(Σ_r g_r), worst channel
+    strongest = g.reshape(g.shape[0], -1).amin(1).neg()                      # (n,): the largest −g_r
     size = _finite_max(x) * _finite_max(y) * x.shape[-1]
     limit = torch.finfo(x.dtype).max * math.exp(-3 * MILD_DECAY)
-    ok = ((depth <= MILD_DECAY) & (size <= limit)).tolist()
+    ok = ((depth <= MILD_DECAY) & (strongest <= MILD_GATE) & (size <= limit)).tolist()
     return [all(ok[grp]) for grp in parts]
 
 
@@ -375,9 +386,10 @@ class _GLAChunk(torch.autograd.Function):
         q3, k3, g3, v3 = (x.reshape(BHN, Cp, x.shape[-1]) for x in (q, k, g, v))
         A = q3.new_empty(BHN, Cp, Cp)
         fs, te, tot = torch.empty_like(q3), torch.empty_like(q3), q3.new_empty(BHN, 1, Dk)
-        U, inv = q3.new_empty(BHN, Dk, Dv), torch.empty_like(q3)
+        U = q3.new_empty(BHN, Dk, Dv)
         parts = groups(BHN, Cp * max(Cp, Dk, Dv))
         mild = mild_groups(parts, g3, q3, k3)
+        inv = torch.empty_like(q3) if any(mild) else None
         for grp, prefix in zip(parts, mild):
             if prefix:
                 fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])

@@ -253,11 +253,11 @@ class _WYChunk(torch.autograd.Function):
         QK, KK, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
         W, Ut = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv)
         ke, tot = (q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, 1, 1)) if gated else (k3, None)
-        D, fs, te = ((q3.new_empty(BHN, C, C), q3.new_empty(BHN, C, 1), q3.new_empty(BHN, C, 1)) if gated
-                     else (None, None, None))
+        fs, te = (q3.new_empty(BHN, C, 1), q3.new_empty(BHN, C, 1)) if gated else (None, None)
         parts = groups(BHN, C * max(C, Dk, Dv))
         mild = mild_groups(parts, g3, q3, k3) if gated else [False] * len(parts)
-        inv = q3.new_empty(BHN, C, 1) if gated else None
+        D = q3.new_empty(BHN, C, C) if gated and not all(mild) else None     # only the range groups use them
+        inv = q3.new_empty(BHN, C, 1) if any(mild) else None                 # only the prefix groups
         for grp, prefix in zip(parts, mild):
             k_g = k3[grp]
             if prefix:      # mild decay: QK and KK hold the decayed scores (q ⊙ fs)(k ⊙ inv)ᵀ, (k ⊙ fs)(k ⊙ inv)ᵀ
@@ -323,7 +323,7 @@ class _WYChunk(torch.autograd.Function):
         for grp, prefix in zip(parts, ctx.mild):
             q_g, k_g = q3[grp], k3[grp]
             if gated:
-                D_g, fs_g, te_g = D[grp], fs[grp], te[grp]
+                D_g, fs_g, te_g = None if prefix else D[grp], fs[grp], te[grp]
                 kf, A = k_g * fs_g, KK[grp] if prefix else KK[grp] * D_g
             else:
                 kf, A = k_g, KK[grp]
@@ -372,9 +372,10 @@ class _WYChannelChunk(torch.autograd.Function):
         q3, k3, v3, b3, g3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta, g))
         P, A, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
         W, Ut, ke = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, C, Dk)
-        fs, te, tot, inv = torch.empty_like(k3), torch.empty_like(k3), k3.new_empty(BHN, 1, Dk), torch.empty_like(k3)
+        fs, te, tot = torch.empty_like(k3), torch.empty_like(k3), k3.new_empty(BHN, 1, Dk)
         parts = groups(BHN, C * max(C, Dk, Dv))
         mild = mild_groups(parts, g3, q3, k3)
+        inv = torch.empty_like(k3) if any(mild) else None
         for grp, prefix in zip(parts, mild):
             k_g = k3[grp]
             if prefix:

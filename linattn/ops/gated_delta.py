@@ -74,8 +74,8 @@ def gated_delta_rule(
     per head; a product of gates per key channel, :mod:`linattn.ops._decay`), ``<= 1``: a decay
     strong enough to underflow gives zeros, never ``inf``/NaN (reference code that forms
     ``e^{b_t} · e^{−b_s}`` overflows at ``log α = −3`` per token and ``C = 64``). Only a chunk
-    whose total decay is mild (``Σ log α >= −16`` per head or key channel, inputs far from
-    overflow) forms ``P = (Q ⊙ e^{b})(K ⊙ e^{−b})ᵀ`` and ``A`` likewise, one matmul each, with
+    whose decay is mild (``Σ log α >= −16`` per head or key channel, every ``log α >= −1``, inputs
+    far from overflow) forms ``P = (Q ⊙ e^{b})(K ⊙ e^{−b})ᵀ`` and ``A`` likewise, one matmul each, with
     factors in ``[e^{-16}, e^{16}]`` and float32's rounding (measured at the bound: at most
     6.4e-7 of the largest output or gradient, against 7.2e-7 for the range sums). Forward and
     backward work for ragged ``T``; float16/bfloat16 inputs compute in float32 with a float32

@@ -56,11 +56,13 @@ def gated_linear_attention(
     first token (:mod:`linattn.ops._decay`). Every factor is a product of gates ``<= 1`` over
     its own range, never a quotient of cumulative decays, so a strong decay underflows to 0
     instead of overflowing, and the gradient of a strongly decaying gate keeps its relative
-    accuracy. A chunk whose total decay is mild (``Σ log_g >= −16`` in every channel, and inputs
-    far from overflow) takes one matmul instead, ``(q ⊙ e^{b})(k ⊙ e^{−b})ᵀ`` with ``b`` the
-    cumulative log-gate from the chunk's start (GLA's chunkwise form before its secondary chunking): its
-    factors lie in ``[e^{-16}, e^{16}]``, and its rounding is float32's (measured at the bound:
-    at most 6e-7 of the largest output or gradient). The backward pass is written by hand; it stores the scores (``C`` numbers per
+    accuracy. A chunk whose decay is mild (``Σ log_g >= −16`` in every channel, every ``log_g >=
+    −1``, and inputs far from overflow) takes one matmul instead, ``(q ⊙ e^{b})(k ⊙ e^{−b})ᵀ``
+    with ``b`` the cumulative log-gate from the chunk's start (GLA's chunkwise form before its
+    secondary chunking): its factors lie in ``[e^{-16}, e^{16}]``, and its rounding is float32's
+    (measured at the bound: at most 6e-7 of the largest output or gradient; the gradient of one
+    gate of ``e^{-1}`` among slow ones loses about a factor 20 of relative accuracy, see
+    :data:`linattn.ops._decay.MILD_GATE`). The backward pass is written by hand; it stores the scores (``C`` numbers per
     token), the decays from and to the chunk's ends and the chunk start states
     (``B·H·(T/C)·Dk·Dv``) and recomputes each level's products. For second derivatives
     (``create_graph=True``), ``torch.func`` transforms, forward-mode AD and ``torch.compile``,
