@@ -214,6 +214,15 @@ def _solve_backward(dO, U, S_before, dS_after, dU, Minv, A, kf, v, b):
     return dP, dqf, dke, dM.mul_(b), dR_k.mul_(b), dR_v.mul_(b), d_beta
 
 
+def _prefix_scores(q, k, fs, inv, P, A):
+    """One group of mild chunks: writes ``P = tril((Q ⊙ fs)(K ⊙ inv)ᵀ)`` and ``A = tril((K ⊙ fs)(K ⊙ inv)ᵀ, −1)``
+    (:func:`linattn.ops._decay.prefix_factors`) into ``P`` and ``A``; returns ``K ⊙ fs``."""
+    kf, kh = k * fs, k * inv
+    torch.bmm(q * fs, kh.transpose(1, 2), out=P).tril_()
+    torch.bmm(kf, kh.transpose(1, 2), out=A).tril_(-1)
+    return kf
+
+
 def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, per_head):
     """One group of mild chunks: ``(dq, dk, dg)`` when ``P = (Q ⊙ fs)(K ⊙ inv)ᵀ`` and ``A = (K ⊙ fs)(K ⊙ inv)ᵀ``
     (masked; :func:`linattn.ops._decay.prefix_factors`), from :func:`_solve_backward`'s outputs.
@@ -262,20 +271,18 @@ class _WYChunk(torch.autograd.Function):
             k_g = k3[grp]
             if prefix:      # mild decay: QK and KK hold the decayed scores (q ⊙ fs)(k ⊙ inv)ᵀ, (k ⊙ fs)(k ⊙ inv)ᵀ
                 fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])
-                kf, kh = k_g * fs[grp], k_g * inv[grp]
-                torch.bmm(q3[grp] * fs[grp], kh.transpose(1, 2), out=QK[grp]).tril_()
-                A = torch.bmm(kf, kh.transpose(1, 2), out=KK[grp]).tril_(-1)
-                torch.mul(k_g, te[grp], out=ke[grp])
-                Minv[grp], W[grp], Ut[grp] = _solve(A, kf, v3[grp], b3[grp])
-                continue
-            torch.bmm(q3[grp], k_g.transpose(1, 2), out=QK[grp]).tril_()   # tril_ first: an overflowing later
-            torch.bmm(k_g, k_g.transpose(1, 2), out=KK[grp]).tril_(-1)      # score times 0 would be NaN
-            if gated:
-                D[grp], fs[grp], te[grp], tot[grp] = scalar_decay(g3[grp])
-                A, kf = KK[grp] * D[grp], k_g * fs[grp]
-                torch.mul(k_g, te[grp], out=ke[grp])
+                kf = _prefix_scores(q3[grp], k_g, fs[grp], inv[grp], QK[grp], KK[grp])
+                A = KK[grp]
             else:
-                A, kf = KK[grp], k_g
+                torch.bmm(q3[grp], k_g.transpose(1, 2), out=QK[grp]).tril_()   # tril_ first: an overflowing
+                torch.bmm(k_g, k_g.transpose(1, 2), out=KK[grp]).tril_(-1)      # later score times 0 is NaN
+                if gated:
+                    D[grp], fs[grp], te[grp], tot[grp] = scalar_decay(g3[grp])
+                    A, kf = KK[grp] * D[grp], k_g * fs[grp]
+                else:
+                    A, kf = KK[grp], k_g
+            if gated:
+                torch.mul(k_g, te[grp], out=ke[grp])
             Minv[grp], W[grp], Ut[grp] = _solve(A, kf, v3[grp], b3[grp])
         U, S_before, S = _scan(W, Ut, ke, tot, S0, BH, N)
         Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
@@ -380,15 +387,14 @@ class _WYChannelChunk(torch.autograd.Function):
             k_g = k3[grp]
             if prefix:
                 fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])
-                kh = k_g * inv[grp]
-                torch.bmm(q3[grp] * fs[grp], kh.transpose(1, 2), out=P[grp]).tril_()
-                torch.bmm(k_g * fs[grp], kh.transpose(1, 2), out=A[grp]).tril_(-1)
+                kf = _prefix_scores(q3[grp], k_g, fs[grp], inv[grp], P[grp], A[grp])
             else:
                 P[grp], products = scores_fast(q3[grp], k_g, False, g3[grp])
                 A[grp], _ = scores_fast(k_g, k_g, True, g3[grp])
                 fs[grp], te[grp], tot[grp] = products.ends()
+                kf = k_g * fs[grp]
             torch.mul(k_g, te[grp], out=ke[grp])
-            Minv[grp], W[grp], Ut[grp] = _solve(A[grp], k_g * fs[grp], v3[grp], b3[grp])
+            Minv[grp], W[grp], Ut[grp] = _solve(A[grp], kf, v3[grp], b3[grp])
         tot_t = tot.transpose(1, 2)                                       # (BHN, Dk, 1): per key channel
         U, S_before, S = _scan(W, Ut, ke, tot_t, S0, BH, N)
         Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
