@@ -12,8 +12,8 @@ import torch
 
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS
 from .report import format_decay_table, format_table, machine_info, plot_results
-from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_SEQ_LENS, DTYPES, MIN_GATE_TEMPERATURE,
-                  _resolve_device,
+from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_GATE_TEMPERATURE, DEFAULT_SEQ_LENS, DTYPES,
+                  MIN_GATE_TEMPERATURE, _resolve_device,
                   run_benchmark, run_decay_benchmark)
 from .timing import pinned_threads
 
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
     add("--gate-temperature", type=_gate_temperature, default=None, metavar="TAU",
-        help="with --decay: gates log_g = logsigmoid(x)/TAU for GLA and the gated delta rule (default: 16, "
-             "GLA's; 1 gives chunks of strong decay)")
+        help="with --decay: gates log_g = logsigmoid(x)/TAU for GLA and the gated delta rule (default: "
+             f"{DEFAULT_GATE_TEMPERATURE:g}, GLA's; 1 gives chunks of strong decay)")
     return parser
 
 
@@ -173,7 +173,8 @@ def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[S
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                     chunk_size=args.chunk_size, repeats=args.repeats, warmup=args.warmup,
                     backward=not args.no_backward, seed=args.seed,
-                    gate_temperature=16.0 if args.gate_temperature is None else args.gate_temperature)
+                    gate_temperature=(DEFAULT_GATE_TEMPERATURE if args.gate_temperature is None
+                                      else args.gate_temperature))
     results = run_decay_benchmark(seq_lens, variants=variants, **settings, progress=not args.no_progress)
     print(format_decay_table(results))
     if args.json is not None:

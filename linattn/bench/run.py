@@ -325,11 +325,12 @@ def _memory_limit(max_memory_gb: Optional[float], device: torch.device) -> float
 
 DECAY_VARIANTS = ("retention", "gla", "delta", "gated_delta", "gated_delta_channel")
 DEFAULT_DECAY_SEQ_LENS = (4096,)
+DEFAULT_GATE_TEMPERATURE = 16.0           # GLA's
 MIN_GATE_TEMPERATURE = 1e-6
 
 
 def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
-                  seed: int, gate_temperature: float = 16.0) -> tuple[Tensor, ...]:
+                  seed: int, gate_temperature: float = DEFAULT_GATE_TEMPERATURE) -> tuple[Tensor, ...]:
     """Seeded q, k, v (leaves that require grad) and the variant's decay argument.
 
     retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/τ``
@@ -371,7 +372,7 @@ def run_decay_benchmark(
     seed: int = 0,
     progress: bool = False,
     threads: Optional[int] = None,
-    gate_temperature: float = 16.0,
+    gate_temperature: float = DEFAULT_GATE_TEMPERATURE,
 ) -> list[dict]:
     """Time the decay family: chunk and recurrent forms, and the ungated update as the yardstick.
 
@@ -418,7 +419,8 @@ def run_decay_benchmark(
     ------
     TypeError, ValueError
         Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``, a
-        ``gate_temperature`` that is not a positive finite number, CUDA requested but not available.
+        ``gate_temperature`` that is not a finite number of at least ``1e-6`` (a TypeError if it is
+        not a real number), CUDA requested but not available.
     """
     if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, numbers.Real):
         raise TypeError(f"gate_temperature must be a real number, got {type(gate_temperature).__name__}")
@@ -477,7 +479,8 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
             cells.append(dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
                               head_dim=head_dim, chunk_size=chunk_size, effective_chunk_size=min(chunk_size, T),
                               dtype=_dtype_name(dtype), device=str(device), device_name=_device_name(device),
-                              threads=torch.get_num_threads(), gate_temperature=gate_temperature, fwd_s=None, fwd_bwd_s=None, fwd_times=[],
+                              threads=torch.get_num_threads(), gate_temperature=gate_temperature,
+                              fwd_s=None, fwd_bwd_s=None, fwd_times=[],
                               fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None))
         passes = [("fwd", fwd)] + ([("fwd_bwd", fwd_bwd)] if backward else [])
         for name, fns in passes:
