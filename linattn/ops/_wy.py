@@ -149,42 +149,70 @@ def _unit_lower_inverse(M: Tensor) -> Tensor:
 def _scan(W, Ut, ke, tot, S0, BH, N):
     """The pass over chunks: ``U_n = Ũ_n − W_n S``, ``S <- total_n S + K̂_nᵀ U_n``; ``(U, S_before, S_final)``.
 
-    ``W``, ``ke`` ``(B·H·N, C, Dk)``, ``Ut`` ``(…, C, Dv)`` (a buffer of the caller's: ``U`` is
-    written over it), ``tot`` None or ``(B·H·N, 1 or Dk, 1)``. Each state is written straight into
-    ``S_before``.
+    ``W``, ``ke`` ``(B·H·N, C, Dk)`` and ``tot`` (None or ``(B·H·N, 1 or Dk, 1)``) head-major (chunk
+    ``n`` of head ``h`` at row ``h·N + n``); ``Ut`` ``(N, B·H, C, Dv)`` chunk-major, a buffer of the
+    caller's that ``U`` is written over; ``S_before`` ``(N, B·H, Dk, Dv)`` comes out chunk-major too.
+    So every product of the scan writes one contiguous block: on the CPU a batched product into
+    a strided output runs its batch one matrix at a time. :func:`_rows` and :func:`_set_rows`
+    read and write the chunk-major tensors by groups of chunks.
     """
     BHN, C, Dk = W.shape
     Dv = Ut.shape[-1]
-    W4, U4, ke4 = W.view(BH, N, C, Dk), Ut.view(BH, N, C, Dv), ke.view(BH, N, C, Dk)
-    tot4 = None if tot is None else tot.view(BH, N, tot.shape[-2], 1)
-    S_before = W.new_empty(BH, N, Dk, Dv)
-    S = S_before[:, 0]
-    S.copy_(S0.reshape(BH, Dk, Dv))
+    W4, keT4 = W.view(BH, N, C, Dk).unbind(1), ke.view(BH, N, C, Dk).transpose(-1, -2).unbind(1)
+    tot4 = [None] * N if tot is None else tot.view(BH, N, tot.shape[-2], 1).unbind(1)
+    S_before = W.new_empty(N, BH, Dk, Dv)
+    U_n, S_n = Ut.unbind(0), S_before.unbind(0)
+    S = S_n[0].copy_(S0.reshape(BH, Dk, Dv))
     for n in range(N):
-        U_n = U4[:, n].baddbmm_(W4[:, n], S, alpha=-1.0)                 # U = Ũ − W S
-        S = torch.baddbmm(S if tot4 is None else tot4[:, n] * S, ke4[:, n].transpose(1, 2), U_n,
-                          out=S_before[:, n + 1] if n + 1 < N else None)
-    return U4, S_before, S
+        U_n[n].baddbmm_(W4[n], S, alpha=-1.0)                                     # U = Ũ − W S
+        S = torch.baddbmm(S if tot4[n] is None else tot4[n] * S, keT4[n], U_n[n],
+                          out=S_n[n + 1] if n + 1 < N else None)
+    return Ut, S_before, S
 
 
 def _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N):
     """The reverse pass: ``dU_n = Pᵀ dO + K̂ dS_{n+1}``, ``dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n``; ``(dU, dS_after, dS0)``.
 
-    ``PdO`` (a buffer of the caller's) is overwritten by ``dU``.
+    ``PdO`` ``(N, B·H, C, Dv)`` chunk-major (a buffer of the caller's, overwritten by ``dU``), the
+    others head-major as in :func:`_scan`; ``dS_after`` ``(N, B·H, Dk, Dv)`` (the gradient of the
+    state after each chunk) comes out chunk-major.
     """
     BHN, C, Dk = W.shape
     Dv = PdO.shape[-1]
-    dU4, QdO4, W4, ke4 = PdO.view(BH, N, C, Dv), QdO.view(BH, N, Dk, Dv), W.view(BH, N, C, Dk), ke.view(BH, N, C, Dk)
-    tot4 = None if tot is None else tot.view(BH, N, tot.shape[-2], 1)
-    dS_after = W.new_empty(BH, N, Dk, Dv)
-    dS_after[:, N - 1] = dS
-    dS = dS_after[:, N - 1]
+    Q4 = QdO.view(BH, N, Dk, Dv).unbind(1)
+    WT4, ke4 = W.view(BH, N, C, Dk).transpose(-1, -2).unbind(1), ke.view(BH, N, C, Dk).unbind(1)
+    tot4 = [None] * N if tot is None else tot.view(BH, N, tot.shape[-2], 1).unbind(1)
+    dS_after = W.new_empty(N, BH, Dk, Dv)
+    dU_n, dS_n = PdO.unbind(0), dS_after.unbind(0)
+    dS = dS_n[N - 1].copy_(dS)
     for n in range(N - 1, -1, -1):
-        dU_n = dU4[:, n].baddbmm_(ke4[:, n], dS)
-        carried = (dS if tot4 is None else tot4[:, n] * dS) + QdO4[:, n]
-        dS = torch.baddbmm(carried, W4[:, n].transpose(1, 2), dU_n, alpha=-1.0,
-                           out=dS_after[:, n - 1] if n > 0 else None)
-    return dU4, dS_after, dS
+        dU_n[n].baddbmm_(ke4[n], dS)
+        carried = Q4[n] + (dS if tot4[n] is None else tot4[n] * dS)
+        dS = torch.baddbmm(carried, WT4[n], dU_n[n], alpha=-1.0, out=dS_n[n - 1] if n > 0 else None)
+    return PdO, dS_after, dS
+
+
+def _rows(x: Tensor, grp: slice, N: int) -> Tensor:
+    """Rows ``grp`` (a slice of the head-major ``B·H·N`` chunks) of ``x`` stored chunk-major ``(N, B·H, …)``.
+
+    A view where the group lies within one head (every group does when ``N`` is at least a
+    group's size and a multiple of it), else a copy of the group's rows.
+    """
+    h0, n0 = divmod(grp.start, N)
+    if (grp.stop - 1) // N == h0:
+        return x[n0:n0 + grp.stop - grp.start, h0]
+    i = torch.arange(grp.start, grp.stop, device=x.device)
+    return x[i % N, i // N]
+
+
+def _set_rows(x: Tensor, grp: slice, N: int, value: Tensor) -> None:
+    """Write ``value`` into rows ``grp`` of the chunk-major ``x`` (:func:`_rows`)."""
+    h0, n0 = divmod(grp.start, N)
+    if (grp.stop - 1) // N == h0:
+        x[n0:n0 + grp.stop - grp.start, h0] = value
+    else:
+        i = torch.arange(grp.start, grp.stop, device=x.device)
+        x[i % N, i // N] = value
 
 
 def _solve(A, kf, v, b):
@@ -260,7 +288,7 @@ class _WYChunk(torch.autograd.Function):
         q3, k3, v3, b3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta))
         g3 = g.reshape(BHN, C, 1) if gated else None
         QK, KK, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
-        W, Ut = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv)
+        W, Ut = q3.new_empty(BHN, C, Dk), q3.new_empty(N, BH, C, Dv)     # Ũ (then U) chunk-major
         ke, tot = (q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, 1, 1)) if gated else (k3, None)
         fs, te = (q3.new_empty(BHN, C, 1), q3.new_empty(BHN, C, 1)) if gated else (None, None)
         parts = groups(BHN, C * max(C, Dk, Dv))
@@ -283,16 +311,16 @@ class _WYChunk(torch.autograd.Function):
                     A, kf = KK[grp], k_g
             if gated:
                 torch.mul(k_g, te[grp], out=ke[grp])
-            Minv[grp], W[grp], Ut[grp] = _solve(A, kf, v3[grp], b3[grp])
+            Minv[grp], W[grp], Ut_g = _solve(A, kf, v3[grp], b3[grp])
+            _set_rows(Ut, grp, N, Ut_g)
         U, S_before, S = _scan(W, Ut, ke, tot, S0, BH, N)
-        Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
         out = q3.new_empty(BHN, C, Dv)
         for grp, prefix in zip(parts, mild):
             if gated:
                 P, qf = QK[grp] if prefix else QK[grp] * D[grp], q3[grp] * fs[grp]
             else:
                 P, qf = QK[grp], q3[grp]
-            torch.baddbmm(torch.bmm(qf, Sb3[grp]), P, U3[grp], out=out[grp])
+            torch.baddbmm(torch.bmm(qf, _rows(S_before, grp, N)), P, _rows(U, grp, N), out=out[grp])
         ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
         ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv,
                               ke if gated else None)
@@ -313,30 +341,30 @@ class _WYChunk(torch.autograd.Function):
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
         parts = groups(BHN, C * max(C, Dk, Dv))
-        PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
+        PdO, QdO = q3.new_empty(N, BH, C, Dv), q3.new_empty(BHN, Dk, Dv)   # Pᵀ dO chunk-major
         ke = ke if gated else k3                                             # K ⊙ to_end, kept from the forward pass
         for grp, prefix in zip(parts, ctx.mild):
             if gated:
                 P, qf = QK[grp] if prefix else QK[grp] * D[grp], q3[grp] * fs[grp]
             else:
                 P, qf = QK[grp], q3[grp]
-            torch.bmm(P.transpose(1, 2), dO[grp], out=PdO[grp])
+            _set_rows(PdO, grp, N, torch.bmm(P.transpose(1, 2), dO[grp]))
             torch.bmm(qf.transpose(1, 2), dO[grp], out=QdO[grp])
         dU, dS_after, dS0 = _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N)
-        del PdO, QdO
-        U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
+        del QdO
         dq, dk, dv, d_beta = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3), torch.empty_like(b3)
         dg = torch.empty_like(g3) if gated else None
         for grp, prefix in zip(parts, ctx.mild):
             q_g, k_g = q3[grp], k3[grp]
+            U_g, Sb_g, dU_g, dSa_g = (_rows(x, grp, N) for x in (U, S_before, dU, dS_after))
             if gated:
                 D_g, fs_g, te_g = None if prefix else D[grp], fs[grp], te[grp]
                 kf, A = k_g * fs_g, KK[grp] if prefix else KK[grp] * D_g
             else:
                 kf, A = k_g, KK[grp]
             dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
-                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], A, kf, v3[grp], b3[grp])
-            c_tot = (Sb3[grp] * dSa3[grp]).sum((-1, -2)).view(-1, 1, 1).mul_(tot[grp]) if gated else None
+                dO[grp], U_g, Sb_g, dSa_g, dU_g, Minv[grp], A, kf, v3[grp], b3[grp])
+            c_tot = (Sb_g * dSa_g).sum((-1, -2)).view(-1, 1, 1).mul_(tot[grp]) if gated else None
             if prefix:
                 dq[grp], dk[grp], dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp],
                                                              fs_g, inv[grp], te_g, per_head=True)
@@ -378,7 +406,7 @@ class _WYChannelChunk(torch.autograd.Function):
         BH, BHN = B * H, B * H * N
         q3, k3, v3, b3, g3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta, g))
         P, A, Minv = (q3.new_empty(BHN, C, C) for _ in range(3))
-        W, Ut, ke = q3.new_empty(BHN, C, Dk), q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, C, Dk)
+        W, Ut, ke = q3.new_empty(BHN, C, Dk), q3.new_empty(N, BH, C, Dv), q3.new_empty(BHN, C, Dk)
         fs, te, tot = torch.empty_like(k3), torch.empty_like(k3), k3.new_empty(BHN, 1, Dk)
         parts = groups(BHN, C * max(C, Dk, Dv))
         mild = mild_groups(parts, g3, q3, k3)
@@ -394,13 +422,14 @@ class _WYChannelChunk(torch.autograd.Function):
                 fs[grp], te[grp], tot[grp] = products.ends()
                 kf = k_g * fs[grp]
             torch.mul(k_g, te[grp], out=ke[grp])
-            Minv[grp], W[grp], Ut[grp] = _solve(A[grp], kf, v3[grp], b3[grp])
+            Minv[grp], W[grp], Ut_g = _solve(A[grp], kf, v3[grp], b3[grp])
+            _set_rows(Ut, grp, N, Ut_g)
         tot_t = tot.transpose(1, 2)                                       # (BHN, Dk, 1): per key channel
         U, S_before, S = _scan(W, Ut, ke, tot_t, S0, BH, N)
-        Sb3, U3 = S_before.view(BHN, Dk, Dv), U.view(BHN, C, Dv)
         out = q3.new_empty(BHN, C, Dv)
         for grp in parts:
-            torch.baddbmm(torch.bmm(q3[grp] * fs[grp], Sb3[grp]), P[grp], U3[grp], out=out[grp])
+            torch.baddbmm(torch.bmm(q3[grp] * fs[grp], _rows(S_before, grp, N)), P[grp], _rows(U, grp, N),
+                          out=out[grp])
         ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
         ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, inv, ke, Minv, W, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
@@ -416,20 +445,20 @@ class _WYChannelChunk(torch.autograd.Function):
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
         parts = groups(BHN, C * max(C, Dk, Dv))
-        PdO, QdO = q3.new_empty(BHN, C, Dv), q3.new_empty(BHN, Dk, Dv)
+        PdO, QdO = q3.new_empty(N, BH, C, Dv), q3.new_empty(BHN, Dk, Dv)   # Pᵀ dO chunk-major
         for grp in parts:
-            torch.bmm(P[grp].transpose(1, 2), dO[grp], out=PdO[grp])
+            _set_rows(PdO, grp, N, torch.bmm(P[grp].transpose(1, 2), dO[grp]))
             torch.bmm((q3[grp] * fs[grp]).transpose(1, 2), dO[grp], out=QdO[grp])
         dU, dS_after, dS0 = _scan_backward(PdO, QdO, W, ke, tot.transpose(1, 2), dS, BH, N)
-        del PdO, QdO
-        U3, Sb3, dU3, dSa3 = U.view(BHN, C, Dv), S_before.view(BHN, Dk, Dv), dU.view(BHN, C, Dv), dS_after.view(BHN, Dk, Dv)
+        del QdO
         dq, dk, dv, d_beta, dg = (torch.empty_like(x) for x in (q3, k3, v3, b3, g3))
         for grp, prefix in zip(parts, ctx.mild):
             q_g, k_g, fs_g, te_g = q3[grp], k3[grp], fs[grp], te[grp]
+            U_g, Sb_g, dU_g, dSa_g = (_rows(x, grp, N) for x in (U, S_before, dU, dS_after))
             kf = k_g * fs_g
             dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
-                dO[grp], U3[grp], Sb3[grp], dSa3[grp], dU3[grp], Minv[grp], A[grp], kf, v3[grp], b3[grp])
-            c_tot = (Sb3[grp] * dSa3[grp]).sum(-1).unsqueeze(-2).mul_(tot[grp])   # d total ⊙ total
+                dO[grp], U_g, Sb_g, dSa_g, dU_g, Minv[grp], A[grp], kf, v3[grp], b3[grp])
+            c_tot = (Sb_g * dSa_g).sum(-1).unsqueeze(-2).mul_(tot[grp])   # d total ⊙ total
             if prefix:
                 dq[grp], dk[grp], dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp],
                                                              fs_g, inv[grp], te_g, per_head=False)
