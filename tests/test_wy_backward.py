@@ -190,3 +190,62 @@ def test_inference_without_gradients_takes_the_fast_forward(gated, monkeypatch):
     for a, b in zip(got, ref):
         assert a.grad_fn is None
         torch.testing.assert_close(a, b, **F64)
+
+
+@pytest.mark.parametrize("BH, N", [(1, 7), (3, 5), (2, 8)])
+def test_chunk_major_rows_of_any_group(BH, N):
+    """_rows / _set_rows read and write a group of head-major chunks (a slice of B·H·N) in a tensor stored
+    chunk-major (N, B·H, …): within one head (a view) and across heads (a copy)."""
+    head_major = torch.randn(BH * N, 3, 2, generator=torch.Generator().manual_seed(BH * N))
+    chunk_major = head_major.view(BH, N, 3, 2).transpose(0, 1).contiguous()       # (N, BH, 3, 2)
+    for start in range(BH * N):
+        for stop in range(start + 1, BH * N + 1):
+            grp = slice(start, stop)
+            assert torch.equal(_wy._rows(chunk_major, grp, N), head_major[grp])
+            written = torch.zeros_like(chunk_major)
+            _wy._set_rows(written, grp, N, head_major[grp])
+            expected = torch.zeros_like(head_major)
+            expected[grp] = head_major[grp]
+            assert torch.equal(written.transpose(0, 1).reshape(BH * N, 3, 2), expected)
+
+
+@pytest.mark.parametrize("gated", [None, "head", "channel"])
+def test_the_scans_write_chunk_major_contiguous_blocks(gated):
+    """The forward and reverse scans keep U, the states and their gradients chunk-major: each chunk's
+    block (B·H, ·, ·) is contiguous, so every product of the scan writes one contiguous block. Values
+    against a token-free reference loop over heads and chunks in float64."""
+    BH, N, C, Dk, Dv = 3, 4, 5, 6, 2
+    g = torch.Generator().manual_seed(1)
+    W, ke = (torch.randn(BH * N, C, Dk, generator=g, dtype=torch.float64) * 0.3 for _ in range(2))
+    Ut_hm = torch.randn(BH * N, C, Dv, generator=g, dtype=torch.float64)
+    tot = {None: None, "head": torch.rand(BH * N, 1, 1, generator=g, dtype=torch.float64),
+           "channel": torch.rand(BH * N, Dk, 1, generator=g, dtype=torch.float64)}[gated]
+    S0 = torch.randn(BH, Dk, Dv, generator=g, dtype=torch.float64)
+    Ut = Ut_hm.view(BH, N, C, Dv).transpose(0, 1).contiguous()
+    U, S_before, S = _wy._scan(W, Ut, ke, tot, S0, BH, N)
+    PdO = torch.randn(N, BH, C, Dv, generator=g, dtype=torch.float64)
+    QdO = torch.randn(BH * N, Dk, Dv, generator=g, dtype=torch.float64)
+    dS = torch.randn(BH, Dk, Dv, generator=g, dtype=torch.float64)
+    PdO_in = PdO.clone()
+    dU, dS_after, dS0 = _wy._scan_backward(PdO, QdO, W, ke, tot, dS, BH, N)
+    for x, shape in ((U, (N, BH, C, Dv)), (S_before, (N, BH, Dk, Dv)), (dU, (N, BH, C, Dv)),
+                     (dS_after, (N, BH, Dk, Dv))):
+        assert x.shape == shape and all(x[n].is_contiguous() for n in range(N))
+    for h in range(BH):
+        s, ds = S0[h], dS[h]
+        for n in range(N):
+            i = h * N + n
+            decay = 1.0 if tot is None else tot[i]
+            torch.testing.assert_close(S_before[n, h], s, **F64)
+            u = Ut_hm[i] - W[i] @ s
+            torch.testing.assert_close(U[n, h], u, **F64)
+            s = decay * s + ke[i].T @ u
+        torch.testing.assert_close(S[h], s, **F64)
+        for n in range(N - 1, -1, -1):
+            i = h * N + n
+            decay = 1.0 if tot is None else tot[i]
+            torch.testing.assert_close(dS_after[n, h], ds, **F64)
+            du = PdO_in[n, h] + ke[i] @ ds
+            torch.testing.assert_close(dU[n, h], du, **F64)
+            ds = decay * ds + QdO[i] - W[i].T @ du
+        torch.testing.assert_close(dS0[h], ds, **F64)
