@@ -196,3 +196,20 @@ def test_strong_gates_underflow_to_exact_zeros_in_float32():
     assert torch.isfinite(A).all() and all(torch.isfinite(t).all() for t in products.ends())
     torch.testing.assert_close(A.double(), _scores_by_definition(x.double(), y.double(), g.double(), False),
                                rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("forward_numbers, backward_numbers", [(1 << 17, 1), (5000, 7)])
+def test_the_backward_takes_the_forward_groups(forward_numbers, backward_numbers, monkeypatch):
+    """GLA's backward works on the groups of chunks that its forward formed, even if GROUP_NUMBERS
+    changed in between (it used to re-form them and leave some chunks' gradients uninitialised)."""
+    xs = _inputs(2, 3, 200, 8, 5, 3)
+    ref = _grads(xs, "recurrent", 16)
+    q, k, v, log_g, S0 = xs
+    monkeypatch.setattr(_decay, "GROUP_NUMBERS", forward_numbers)
+    out, S = linattn.gated_linear_attention(q, k, v, log_g, chunk_size=16, initial_state=S0, return_state=True)
+    monkeypatch.setattr(_decay, "GROUP_NUMBERS", backward_numbers)
+    w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    w_S = torch.linspace(1, -2, S.numel(), dtype=S.dtype).reshape(S.shape)
+    grads = torch.autograd.grad((out * w_out).sum() + (S * w_S).sum(), xs)
+    for name, a, b in zip(NAMES[2:], grads, ref[2:]):
+        torch.testing.assert_close(a, b, **F64, msg=lambda m: f"{name}: {m}")

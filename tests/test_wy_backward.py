@@ -249,3 +249,22 @@ def test_the_scans_write_chunk_major_contiguous_blocks(gated):
             torch.testing.assert_close(dU[n, h], du, **F64)
             ds = decay * ds + QdO[i] - W[i].T @ du
         torch.testing.assert_close(dS0[h], ds, **F64)
+
+
+@pytest.mark.parametrize("gated", [False, True, "channel"])
+@pytest.mark.parametrize("forward_numbers, backward_numbers", [(1 << 17, 1), (5000, 7), (1, 1 << 30)])
+def test_the_backward_takes_the_forward_groups(gated, forward_numbers, backward_numbers, monkeypatch):
+    """The backward pass works on the groups of chunks that the forward pass formed (and kept), even if
+    GROUP_NUMBERS changed in between (found by a new-user test: it re-formed them, and a backward
+    with more groups than the forward left chunks' gradients uninitialised)."""
+    from linattn.ops import _decay
+    xs = _inputs(2, 3, 200, 8, 5, 3, gated=gated)
+    ref = _grads(xs, "recurrent", 16, gated)
+    monkeypatch.setattr(_decay, "GROUP_NUMBERS", forward_numbers)
+    out, S = _call(xs, "chunk", 16, gated)
+    monkeypatch.setattr(_decay, "GROUP_NUMBERS", backward_numbers)
+    w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    w_S = torch.linspace(1, -2, S.numel(), dtype=S.dtype).reshape(S.shape)
+    grads = torch.autograd.grad((out * w_out).sum() + (S * w_S).sum(), xs)
+    for name, a, b in zip(["dq", "dk", "dv", "dbeta", "dS0", "dlog_g"], grads, ref[2:]):
+        torch.testing.assert_close(a, b, **F64, msg=lambda m: f"{name}: {m}")

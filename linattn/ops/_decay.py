@@ -409,7 +409,7 @@ class _GLAChunk(torch.autograd.Function):
         out = q3.new_empty(BHN, Cp, Dv)
         for grp in parts:
             torch.baddbmm(torch.bmm(A[grp], v3[grp]), q3[grp] * fs[grp], Sb3[grp], out=out[grp])
-        ctx.mild = mild
+        ctx.mild, ctx.parts = mild, parts        # the backward takes the same groups
         ctx.save_for_backward(q, k, v, g, S0, A, S_before, fs, te, tot, inv)
         return out.view(B, H, N, Cp, Dv), S.view(B, H, Dk, Dv)
 
@@ -426,7 +426,7 @@ class _GLAChunk(torch.autograd.Function):
         q3, k3, g3, v3 = (x.reshape(BHN, Cp, x.shape[-1]) for x in (q, k, g, v))
         dO = v3.new_zeros(BHN, Cp, Dv) if d_out is None else d_out.reshape(BHN, Cp, Dv)
         dS = S_before.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
-        parts = groups(BHN, Cp * max(Cp, Dk, Dv))
+        parts = ctx.parts                    # the forward's groups, whatever GROUP_NUMBERS is now
         QdO = q3.new_empty(BHN, Dk, Dv)
         for grp in parts:
             torch.bmm((q3[grp] * fs[grp]).transpose(1, 2), dO[grp], out=QdO[grp])

@@ -321,7 +321,7 @@ class _WYChunk(torch.autograd.Function):
             else:
                 P, qf = QK[grp], q3[grp]
             torch.baddbmm(torch.bmm(qf, _rows(S_before, grp, N)), P, _rows(U, grp, N), out=out[grp])
-        ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
+        ctx.shape, ctx.mild, ctx.parts = (B, H, N, C, Dk, Dv), mild, parts   # the backward takes the same groups
         ctx.save_for_backward(q, k, v, beta, S0, g, QK, KK, Minv, W, U, S_before, D, fs, te, tot, inv,
                               ke if gated else None)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
@@ -340,7 +340,7 @@ class _WYChunk(torch.autograd.Function):
         g3 = g.reshape(BHN, C, 1) if gated else None
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
-        parts = groups(BHN, C * max(C, Dk, Dv))
+        parts = ctx.parts                    # the forward's groups, whatever GROUP_NUMBERS is now
         PdO, QdO = q3.new_empty(N, BH, C, Dv), q3.new_empty(BHN, Dk, Dv)   # Pᵀ dO chunk-major
         ke = ke if gated else k3                                             # K ⊙ to_end, kept from the forward pass
         for grp, prefix in zip(parts, ctx.mild):
@@ -430,7 +430,7 @@ class _WYChannelChunk(torch.autograd.Function):
         for grp in parts:
             torch.baddbmm(torch.bmm(q3[grp] * fs[grp], _rows(S_before, grp, N)), P[grp], _rows(U, grp, N),
                           out=out[grp])
-        ctx.shape, ctx.mild = (B, H, N, C, Dk, Dv), mild
+        ctx.shape, ctx.mild, ctx.parts = (B, H, N, C, Dk, Dv), mild, parts   # the backward takes the same groups
         ctx.save_for_backward(q, k, v, beta, S0, g, P, A, fs, te, tot, inv, ke, Minv, W, U, S_before)
         return out.view(B, H, N, C, Dv), S.view(B, H, Dk, Dv)
 
@@ -444,7 +444,7 @@ class _WYChannelChunk(torch.autograd.Function):
         q3, k3, v3, b3, g3 = (x.reshape(BHN, C, x.shape[-1]) for x in (q, k, v, beta, g))
         dO = v3.new_zeros(BHN, C, Dv) if d_out is None else d_out.reshape(BHN, C, Dv)
         dS = q3.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
-        parts = groups(BHN, C * max(C, Dk, Dv))
+        parts = ctx.parts                    # the forward's groups, whatever GROUP_NUMBERS is now
         PdO, QdO = q3.new_empty(N, BH, C, Dv), q3.new_empty(BHN, Dk, Dv)   # Pᵀ dO chunk-major
         for grp in parts:
             _set_rows(PdO, grp, N, torch.bmm(P[grp].transpose(1, 2), dO[grp]))

@@ -58,7 +58,7 @@ def delta_rule(
     Then ``O = Q S + A U`` with ``A = tril(Q Kᵀ)``, and the next chunk starts from
     ``S + Kᵀ U``: only ``W S`` and ``Kᵀ U`` run chunk after chunk. The backward pass is
     written by hand (:mod:`linattn.ops._wy`); it stores the scores, the triangular inverse,
-    ``[W, Ũ]``, ``U`` and the chunk start states instead of recomputing them. For second
+    ``W``, ``U`` and the chunk start states instead of recomputing them (``Ũ`` is not needed). For second
     derivatives (``create_graph=True``), ``torch.func`` transforms, forward-mode AD and
     ``torch.compile`` autograd differentiates the same equations op by op.
 
@@ -71,10 +71,10 @@ def delta_rule(
     beta : Tensor
         ``(B, H, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
     chunk_size : int
-        Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. On the CPU
-        that chapter 11 measures, ``chunk_size=32`` ran faster than the default 64 (forward and
-        backward): the products with a ``C × C`` operand shrink with the chunk, those with the
-        ``Dk × Dv`` state do not.
+        Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. On a CPU,
+        try ``chunk_size=32``: the products with a ``C × C`` factor shrink with the chunk, those
+        with the ``Dk × Dv`` state do not (chapter 11 counts them; its benchmark on a 2-core
+        CPU gave lower forward+backward ratios to the ungated update at 32 than at 64).
     method, feature_map, initial_state, return_state
         As in :func:`retention`.
 
