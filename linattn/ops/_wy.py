@@ -192,27 +192,25 @@ def _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N):
     return PdO, dS_after, dS
 
 
-def _rows(x: Tensor, grp: slice, N: int) -> Tensor:
-    """Rows ``grp`` (a slice of the head-major ``B·H·N`` chunks) of ``x`` stored chunk-major ``(N, B·H, …)``.
-
-    A view where the group lies within one head (every group does when ``N`` is at least a
-    group's size and a multiple of it), else a copy of the group's rows.
-    """
+def _rows_key(grp: slice, N: int, device) -> tuple:
+    """The index of rows ``grp`` (a slice of the head-major ``B·H·N`` chunks) in a tensor stored
+    chunk-major ``(N, B·H, …)``: two slices where the group lies within one head (every group
+    does when ``N`` is at least a group's size and a multiple of it), else two index tensors."""
     h0, n0 = divmod(grp.start, N)
     if (grp.stop - 1) // N == h0:
-        return x[n0:n0 + grp.stop - grp.start, h0]
-    i = torch.arange(grp.start, grp.stop, device=x.device)
-    return x[i % N, i // N]
+        return slice(n0, n0 + grp.stop - grp.start), h0
+    i = torch.arange(grp.start, grp.stop, device=device)
+    return i % N, i // N
+
+
+def _rows(x: Tensor, grp: slice, N: int) -> Tensor:
+    """Rows ``grp`` of the chunk-major ``x`` (:func:`_rows_key`): a view within one head, else a copy."""
+    return x[_rows_key(grp, N, x.device)]
 
 
 def _set_rows(x: Tensor, grp: slice, N: int, value: Tensor) -> None:
-    """Write ``value`` into rows ``grp`` of the chunk-major ``x`` (:func:`_rows`)."""
-    h0, n0 = divmod(grp.start, N)
-    if (grp.stop - 1) // N == h0:
-        x[n0:n0 + grp.stop - grp.start, h0] = value
-    else:
-        i = torch.arange(grp.start, grp.stop, device=x.device)
-        x[i % N, i // N] = value
+    """Write ``value`` into rows ``grp`` of the chunk-major ``x`` (:func:`_rows_key`)."""
+    x[_rows_key(grp, N, x.device)] = value
 
 
 def _solve(A, kf, v, b):

@@ -58,9 +58,9 @@ def delta_rule(
     Then ``O = Q S + A U`` with ``A = tril(Q Kᵀ)``, and the next chunk starts from
     ``S + Kᵀ U``: only ``W S`` and ``Kᵀ U`` run chunk after chunk. The backward pass is
     written by hand (:mod:`linattn.ops._wy`); it stores the scores, the triangular inverse,
-    ``W``, ``U`` and the chunk start states instead of recomputing them (``Ũ`` is not needed). For second
-    derivatives (``create_graph=True``), ``torch.func`` transforms, forward-mode AD and
-    ``torch.compile`` autograd differentiates the same equations op by op.
+    ``W``, ``U`` and the chunk start states instead of recomputing them (``Ũ`` is not needed).
+    For second derivatives (``create_graph=True``), ``torch.func`` transforms, forward-mode AD
+    and ``torch.compile`` autograd differentiates the same equations op by op.
 
     Parameters
     ----------
