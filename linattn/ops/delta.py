@@ -71,10 +71,10 @@ def delta_rule(
     beta : Tensor
         ``(B, H, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
     chunk_size : int
-        Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. On a CPU,
-        try ``chunk_size=32``: the products with a ``C × C`` factor shrink with the chunk, those
-        with the ``Dk × Dv`` state do not (chapter 11 counts them; its benchmark on a 2-core
-        CPU gave lower forward+backward ratios to the ungated update at 32 than at 64).
+        Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. A smaller
+        chunk shrinks the products with a ``C × C`` factor, not those with the ``Dk × Dv`` state
+        (chapter 11 counts them); on a 2-core CPU, ``chunk_size=32`` gave slightly lower
+        forward+backward ratios to the ungated update than 64, so measure it on yours.
     method, feature_map, initial_state, return_state
         As in :func:`retention`.
 

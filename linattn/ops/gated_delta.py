@@ -100,7 +100,7 @@ def gated_delta_rule(
         ``"auto"`` (= ``"chunk"``), ``"chunk"`` or ``"recurrent"``; case-insensitive.
     chunk_size : int
         Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. On a CPU,
-        try ``chunk_size=32``, as for :func:`linattn.delta_rule`.
+        measure ``chunk_size=32`` against it (see :func:`linattn.delta_rule`).
     feature_map : str, callable or None
         φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
         (the default) uses them as given.
