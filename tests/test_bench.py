@@ -431,3 +431,91 @@ def test_machine_info_records_the_commit():
     info = bench.machine_info("cpu")
     assert "commit" in info
     assert info["commit"] is None or len(info["commit"].split("+")[0]) == 40
+
+
+def test_machine_info_records_the_cpu_capability():
+    """Two CPUs named alike ("AMD EPYC") can run ATen's AVX2 or AVX-512 kernels: recorded."""
+    info = bench.machine_info("cpu")
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+# ------------------------------------------------------------------ --decay with several chunk sizes
+
+
+def test_decay_several_chunk_sizes_in_the_same_rounds():
+    """Every chunk size gets its own ungated row and chunk rows; the loops run once, after them."""
+    rows = bench.run_decay_benchmark([40], variants=["delta", "gla"], heads=1, head_dim=4, chunk_size=(16, 8, 16),
+                                     repeats=2, warmup=0)
+    assert [(r["variant"], r["method"], r["chunk_size"]) for r in rows] == [
+        ("ungated", "chunk", 16), ("delta", "chunk", 16), ("gla", "chunk", 16),
+        ("ungated", "chunk", 8), ("delta", "chunk", 8), ("gla", "chunk", 8),
+        ("delta", "recurrent", 16), ("gla", "recurrent", 16)]                  # 16 twice: timed once
+    assert all(len(r["fwd_bwd_times"]) == 2 and r["fwd_bwd_s"] > 0 for r in rows)
+    assert [r["effective_chunk_size"] for r in rows[:6]] == [16, 16, 16, 8, 8, 8]
+    rows = bench.run_decay_benchmark([40], variants=["delta"], heads=1, head_dim=4, chunk_size=[8], repeats=1,
+                                     warmup=0, backward=False, recurrent=False)
+    assert [(r["variant"], r["method"], r["chunk_size"]) for r in rows] == [("ungated", "chunk", 8),
+                                                                            ("delta", "chunk", 8)]
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or a non-empty sequence"):
+        bench.run_decay_benchmark([8], chunk_size=[])
+    with pytest.raises(ValueError, match="chunk_size entries"):
+        bench.run_decay_benchmark([8], chunk_size=[16, 0])
+    with pytest.raises(TypeError, match="recurrent must be a bool"):
+        bench.run_decay_benchmark([8], recurrent=1)
+
+
+def _fake_decay_rows(times: dict) -> list[dict]:
+    """Rows as run_decay_benchmark returns them, with given f+b times per (variant, method, C)."""
+    rows = []
+    for (variant, method, C), seconds in times.items():
+        rows.append(dict(variant=variant, method=method, seq_len=256, batch=1, heads=1, head_dim=4, chunk_size=C,
+                         effective_chunk_size=C, dtype="float32", device="cpu", device_name="cpu", threads=1,
+                         gate_temperature=16.0, fwd_s=seconds[0] / 2, fwd_bwd_s=sorted(seconds)[1],
+                         fwd_times=[x / 2 for x in seconds], fwd_bwd_times=seconds, fwd_spread=0.0,
+                         fwd_bwd_spread=0.0))
+    return rows
+
+
+def test_decay_table_divides_by_the_ungated_update_at_the_same_chunk_size():
+    """Round by round: each row over the ungated update at its own C, and over its own first C."""
+    rows = _fake_decay_rows({
+        ("ungated", "chunk", 64): [1.0, 2.0, 1.0], ("delta", "chunk", 64): [2.0, 3.0, 1.5],
+        ("ungated", "chunk", 32): [0.5, 1.0, 2.0], ("delta", "chunk", 32): [1.5, 3.0, 2.0],
+        ("delta", "recurrent", 64): [8.0, 8.0, 8.0]})
+    lines = bench.format_decay_table(rows).splitlines()
+    assert "chunk_size in 64/32" in lines[0] and "chunk vs recurrent" in lines[0]
+    assert lines[2].split()[:3] == ["T", "variant", "C"] and lines[2].rstrip().endswith("f+b / C=64")
+    assert [line.split()[:3] for line in lines[3:7]] == [["256", "ungated", "64"], ["256", "delta", "64"],
+                                                         ["256", "ungated", "32"], ["256", "delta", "32"]]
+    # delta at 64 over ungated at 64: 2, 1.5, 1.5 -> 1.50 (1.50-2.00); at 32 over ungated at 32: 3, 3, 1
+    assert "1.50 (1.50-2.00)" in lines[4] and "3.00 (1.00-3.00)" in lines[6]
+    # delta at 32 over delta at 64: 0.75, 1, 1.33 -> 1.00 (0.75-1.33); ungated 0.5, 0.5, 2 -> 0.5 (0.5-2.00)
+    assert lines[6].rstrip().endswith("1.00 (0.75-1.33)") and lines[5].rstrip().endswith("0.5 (0.5-2.00)")
+    assert lines[4].rstrip().endswith(" 1")
+    assert "8000" in lines[4] and "8000" in lines[6]          # the one recurrent timing, in both rows of delta
+    no_loops = [r for r in rows if r["method"] == "chunk"]
+    text = bench.format_decay_table(no_loops)
+    assert "rec f+b" not in text and "chunk forms" in text.splitlines()[0] and "timed once" not in text
+
+
+def test_decay_cli_chunk_sizes_and_no_recurrent(tmp_path, capsys):
+    out_json = tmp_path / "decay.json"
+    assert bench.main([*DECAY_TINY, "--seq-lens", "40", "--variants", "delta", "--chunk-size", "16", "8",
+                       "--no-recurrent", "--json", str(out_json)]) == 0
+    assert "chunk_size in 16/8" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert data["metadata"]["chunk_size"] == [16, 8] and data["metadata"]["recurrent"] is False
+    assert [(r["variant"], r["chunk_size"]) for r in data["results"]] == [
+        ("ungated", 16), ("delta", 16), ("ungated", 8), ("delta", 8)]
+    assert bench.main([*DECAY_TINY, "--seq-lens", "40", "--variants", "delta", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["metadata"]["chunk_size"] == 64     # one value: an int, as before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunk-size", "16", "32"], "--chunk-size takes one value without --decay, got 2"),
+    (["--no-recurrent"], "--no-recurrent applies to --decay only"),
+])
+def test_attention_bench_refuses_decay_only_chunk_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cpu", "--seq-lens", "8", "--no-progress", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

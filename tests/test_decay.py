@@ -564,7 +564,7 @@ def test_decay_benchmark_runs_and_formats():
     """Tiny sizes, no timing assertions: the rows, the table and the CLI flag."""
     rows = bench.run_decay_benchmark([12], heads=2, head_dim=4, chunk_size=8, repeats=1, warmup=0)
     assert [(r["variant"], r["method"]) for r in rows] == [("ungated", "chunk")] + [
-        (v, m) for v in bench.DECAY_VARIANTS for m in ("chunk", "recurrent")]
+        (v, m) for m in ("chunk", "recurrent") for v in bench.DECAY_VARIANTS]      # the loops after the chunks
     assert all(r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0 and r["seq_len"] == 12 for r in rows)
     table = bench.format_decay_table(rows)
     for word in ("retention", "gla", "delta", "fwd rec/chunk", "f+b rec/chunk", "f+b / ungated"):

@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"methods to run, out of: {', '.join(METHODS)} (default: all but compiled_baseline)")
     add("--reference", choices=METHODS, default="chunk",
         help="the method the ratio columns divide by (default: %(default)s)")
-    add("--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE,
-        help="chunk size C of the chunkwise methods (default: %(default)s)")
+    add("--chunk-size", type=_positive_int, nargs="+", default=[DEFAULT_CHUNK_SIZE], metavar="C",
+        help=f"chunk size C of the chunkwise methods (default: {DEFAULT_CHUNK_SIZE}); with --decay, several are "
+             "timed in the same rounds and compared with the first")
     add("--repeats", type=_positive_int, default=5, help="timed rounds per measurement (default: %(default)s)")
     add("--warmup", type=_non_negative_int, default=1, help="untimed calls first (default: %(default)s)")
     add("--no-backward", action="store_true", help="time the forward pass only")
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
              "--plot do not apply (and are refused)")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
+    add("--no-recurrent", action="store_true",
+        help="with --decay: time the chunk forms only, not the per-token loops (which take most of a run)")
     add("--gate-temperature", type=_gate_temperature, default=None, metavar="TAU",
         help="with --decay: gates log_g = logsigmoid(x)/TAU for GLA and the gated delta rule (default: "
              f"{DEFAULT_GATE_TEMPERATURE:g}, GLA's; 1 gives chunks of strong decay)")
@@ -115,9 +118,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if value is not None:
                 parser.error(f"{flag} does not apply to --decay")
     else:
-        for flag, value in (("--variants", args.variants), ("--gate-temperature", args.gate_temperature)):
+        for flag, value in (("--variants", args.variants), ("--gate-temperature", args.gate_temperature),
+                            ("--no-recurrent", args.no_recurrent or None)):
             if value is not None:
                 parser.error(f"{flag} applies to --decay only")
+        if len(args.chunk_size) > 1:
+            parser.error(f"--chunk-size takes one value without --decay, got {len(args.chunk_size)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -149,7 +155,7 @@ def _main_attention(args: argparse.Namespace, device: torch.device, argv: Option
     seq_lens = list(DEFAULT_SEQ_LENS) if args.seq_lens is None else args.seq_lens
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
-                    max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size, seed=args.seed)
+                    max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size[0], seed=args.seed)
     results = run_benchmark(methods, seq_lens, **settings, progress=not args.no_progress)
     print(format_table(results, reference=args.reference))
     if args.json is not None:
@@ -171,8 +177,9 @@ def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[S
     seq_lens = args.seq_lens if args.seq_lens is not None else list(DEFAULT_DECAY_SEQ_LENS)
     variants = list(DECAY_VARIANTS) if args.variants is None else args.variants
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                    chunk_size=args.chunk_size, repeats=args.repeats, warmup=args.warmup,
-                    backward=not args.no_backward, seed=args.seed,
+                    chunk_size=(args.chunk_size[0] if len(args.chunk_size) == 1 else args.chunk_size),
+                    repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward, seed=args.seed,
+                    recurrent=not args.no_recurrent,
                     gate_temperature=(DEFAULT_GATE_TEMPERATURE if args.gate_temperature is None
                                       else args.gate_temperature))
     results = run_decay_benchmark(seq_lens, variants=variants, **settings, progress=not args.no_progress)

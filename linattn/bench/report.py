@@ -138,13 +138,15 @@ def format_table(results: Sequence[dict], reference: Optional[str] = "chunk") ->
 def format_decay_table(results: Sequence[dict]) -> str:
     """An aligned plain-text table of :func:`linattn.bench.run_decay_benchmark`'s results.
 
-    One line per (T, variant): median forward and forward+backward times (ms, with the spread
-    of the repetitions) of the chunk and recurrent forms, the ratios recurrent / chunk (above
-    1: the chunk form is faster) and the chunk form's forward+backward time over the ungated
-    update's (``linear_attention(q, k, v, feature_map=None, normalize=False, causal=True)``,
-    timed in the same rounds). The title gives the chunk length the functions actually use,
-    ``C = min(chunk_size, T)`` (a column ``C`` when it differs between rows), the number of
-    torch threads and the CPU or GPU.
+    One line per (T, variant, chunk size): median forward and forward+backward times (ms, with
+    the spread of the repetitions) of the chunk and recurrent forms, the ratios recurrent / chunk
+    (above 1: the chunk form is faster) and the chunk form's forward+backward time over the
+    ungated update's (``linear_attention(q, k, v, feature_map=None, normalize=False,
+    causal=True)`` at the same chunk size, timed in the same rounds). With several chunk sizes a
+    last column divides each chunk form's forward+backward time by its own at the first chunk
+    size, round by round. The title gives the chunk length the functions actually use, ``C =
+    min(chunk_size, T)`` (a column ``C`` when it differs between rows), the number of torch
+    threads and the CPU or GPU.
 
     Parameters
     ----------
@@ -158,54 +160,70 @@ def format_decay_table(results: Sequence[dict]) -> str:
     """
     if not results:
         return "(no results)"
+    from .timing import paired_ratios
+
     first = results[0]
-    cells = {(r["seq_len"], r["variant"], r["method"]): r for r in results}
-    keys = list(dict.fromkeys((r["seq_len"], r["variant"]) for r in results))
+    chunk_rows = {(r["seq_len"], r["variant"], r["chunk_size"]): r for r in results if r["method"] == "chunk"}
+    loops = {(r["seq_len"], r["variant"]): r for r in results if r["method"] == "recurrent"}
+    keys = list(chunk_rows)                                                      # in the runs' order
+    sizes = list(dict.fromkeys(r["chunk_size"] for r in results if r["method"] == "chunk"))
 
     def effective_chunk(r: dict) -> int:
         return r.get("effective_chunk_size", min(r["chunk_size"], r["seq_len"]))
 
     chunks = sorted({effective_chunk(r) for r in results})
-    per_row_chunk = len(chunks) > 1      # several T, some shorter than chunk_size: C differs by row
+    per_row_chunk = len(chunks) > 1      # several T shorter than chunk_size, or several chunk sizes
     has_ungated = any(r["variant"] == "ungated" for r in results)
-    header = ["T", "variant", *(["C"] if per_row_chunk else []), "chunk fwd ms", "rec fwd ms", "fwd rec/chunk",
-              "chunk f+b ms", "rec f+b ms", "f+b rec/chunk", *(["f+b / ungated"] if has_ungated else [])]
+    rec_names = ("rec fwd ms", "fwd rec/chunk", "rec f+b ms", "f+b rec/chunk") if loops else ()
+    header = ["T", "variant", *(["C"] if per_row_chunk else []), "chunk fwd ms", *rec_names[:2],
+              "chunk f+b ms", *rec_names[2:], *(["f+b / ungated"] if has_ungated else []),
+              *([f"f+b / C={sizes[0]}"] if len(sizes) > 1 else [])]
     rows = [header]
-    for T, variant in keys:
-        chunk, rec = cells.get((T, variant, "chunk")), cells.get((T, variant, "recurrent"))
+
+    def paired(a: Optional[dict], b: Optional[dict]) -> str:
+        if a is None or b is None or not a.get("fwd_bwd_times") or not b.get("fwd_bwd_times"):
+            return "-"
+        r = paired_ratios(a["fwd_bwd_times"], b["fwd_bwd_times"])
+        return _ratio_cell(r) if r["median"] is not None else "-"
+
+    for T, variant, C in keys:
+        chunk, rec = chunk_rows.get((T, variant, C)), loops.get((T, variant))
         row = [str(T), variant]
         if per_row_chunk:
             row.append(str(effective_chunk(chunk or rec)))
         for key in ("fwd", "fwd_bwd"):
             a = None if chunk is None else chunk[f"{key}_s"]
             b = None if rec is None else rec[f"{key}_s"]
-            row += [_time_cell(a, None if chunk is None else chunk.get(f"{key}_spread")),
-                    _time_cell(b, None if rec is None else rec.get(f"{key}_spread")),
-                    _num(b / a) + "x" if a and b else "-"]
+            row.append(_time_cell(a, None if chunk is None else chunk.get(f"{key}_spread")))
+            if loops:
+                row += [_time_cell(b, None if rec is None else rec.get(f"{key}_spread")),
+                        _num(b / a) + "x" if a and b else "-"]
         if has_ungated:
-            base = cells.get((T, "ungated", "chunk"))
-            r = {"median": None}
-            if chunk is not None and base is not None and chunk.get("fwd_bwd_times") and base.get("fwd_bwd_times"):
-                from .timing import paired_ratios
-
-                r = paired_ratios(chunk["fwd_bwd_times"], base["fwd_bwd_times"])
-            row.append(_ratio_cell(r) if r["median"] is not None else "-")
+            row.append(paired(chunk, chunk_rows.get((T, "ungated", C))))
+        if len(sizes) > 1:
+            row.append(paired(chunk, chunk_rows.get((T, variant, sizes[0]))) if C != sizes[0] else "1")
         rows.append(row)
     lines = _align(rows)
-    chunk_text = f"C={chunks[0]}" if not per_row_chunk else f"C=min({first['chunk_size']}, T)"
+    if len(sizes) > 1:
+        chunk_text = "C=min(chunk_size, T), chunk_size in " + "/".join(map(str, sizes))
+    else:
+        chunk_text = f"C={chunks[0]}" if not per_row_chunk else f"C=min({first['chunk_size']}, T)"
     threads = _threads_text(results)
     where = first.get("device_name") or first["device"]
     title = (f"linattn decay family on {first['device']} ({where}){', ' + threads if threads else ''}, "
              f"{first['dtype']}, B={first['batch']} H={first['heads']} D=Dv={first['head_dim']}{_gates_text(results)}, "
-             f"{chunk_text}: chunk vs recurrent")
+             f"{chunk_text}: chunk{' vs recurrent' if loops else ' forms'}")
     legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; ±: half the range of the "
-              "repetitions over the median; rec/chunk: recurrent time / chunk time (> 1: the chunk form is "
-              "faster)")
+              "repetitions over the median")
+    if loops:
+        legend += "; rec/chunk: recurrent time / chunk time (> 1: the chunk form is faster)"
     if has_ungated:
         legend += ("; f+b / ungated: chunk f+b time / that of linear_attention(q, k, v, feature_map=None, "
-                   "normalize=False, causal=True), per round, median (range).")
-    else:
-        legend += "."
+                   "normalize=False, causal=True) at the same C, per round, median (range)")
+    if len(sizes) > 1:
+        legend += (f"; f+b / C={sizes[0]}: chunk f+b time / the same variant's at chunk_size={sizes[0]}, per round, "
+                   "median (range)" + ("; the recurrent form has no chunks and is timed once" if loops else ""))
+    legend += "."
     return "\n".join([title, "", *lines, "", legend])
 
 
@@ -270,12 +288,20 @@ def machine_info(device: Union[torch.device, str]) -> dict:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "cpu": cpu_name(),
+        "cpu_capability": _cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),
     }
+
+
+def _cpu_capability() -> Optional[str]:
+    """The vector instructions ATen's CPU kernels use here (``"AVX512"``, ``"AVX2"``, ...; None if
+    torch cannot say): two CPUs of one model name can differ in this, and their timings with it."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return None if get is None else str(get())
 
 
 def _commit():

@@ -365,7 +365,7 @@ def run_decay_benchmark(
     batch: int = 1,
     heads: int = 4,
     head_dim: int = 64,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: Union[int, Sequence[int]] = DEFAULT_CHUNK_SIZE,
     repeats: int = 3,
     warmup: int = 1,
     backward: bool = True,
@@ -373,6 +373,7 @@ def run_decay_benchmark(
     progress: bool = False,
     threads: Optional[int] = None,
     gate_temperature: float = DEFAULT_GATE_TEMPERATURE,
+    recurrent: bool = True,
 ) -> list[dict]:
     """Time the decay family: chunk and recurrent forms, and the ungated update as the yardstick.
 
@@ -385,7 +386,9 @@ def run_decay_benchmark(
     seeded inputs (``D = Dv = head_dim``). All the calls of one ``T`` are timed interleaved
     (:func:`linattn.bench.timing.interleaved_times`): the median forward time under
     ``torch.no_grad`` and, with ``backward``, the median forward+backward time
-    (``autograd.grad`` w.r.t. q, k, v of the output against a seeded upstream gradient).
+    (``autograd.grad`` w.r.t. q, k, v of the output against a seeded upstream gradient). Several
+    chunk sizes are timed in the same rounds: the ungated update and every variant's chunk form at
+    each of them, the recurrent form (which has no chunks) once.
 
     Parameters
     ----------
@@ -393,8 +396,12 @@ def run_decay_benchmark(
         Sequence lengths ``T``.
     variants : sequence of str
         Names from :data:`DECAY_VARIANTS`.
-    device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup, seed, progress
+    device, dtype, batch, heads, head_dim, repeats, warmup, seed, progress
         As in :func:`run_benchmark`.
+    chunk_size : int or sequence of int
+        Chunk size ``C`` of the chunk forms (the ungated update's too), or several, timed in the
+        same rounds (duplicates dropped, order kept: the first is the one the other sizes are
+        compared with by :func:`linattn.bench.format_decay_table`).
     backward : bool
         Also time forward+backward.
     threads : int, optional
@@ -405,11 +412,15 @@ def run_decay_benchmark(
         ``1e-6``.
         GLA's 16 gives a chunk of 64 tokens a total log-decay of about −3 (the chunk forms' prefix
         form for mild decays); 1 gives about −50 (their range-by-range products).
+    recurrent : bool
+        Also time ``method="recurrent"`` (the per-token loop, most of a run's time at large ``T``).
 
     Returns
     -------
     list of dict
-        One dict per (T, variant, method), the ungated row first, with keys ``variant``,
+        One dict per (T, variant, method, chunk size), for each ``T`` the chunk forms first, chunk
+        size by chunk size (the ungated row first), then the recurrent forms (timed once, with the
+        first chunk size recorded), with keys ``variant``,
         ``method``, ``seq_len``, ``batch``, ``heads``, ``head_dim``, ``chunk_size``,
         ``effective_chunk_size`` (``min(chunk_size, T)``), ``dtype``, ``device``, ``device_name``,
         ``threads``, ``gate_temperature``, ``fwd_s`` and ``fwd_bwd_s`` (medians), ``fwd_times`` and ``fwd_bwd_times``,
@@ -420,7 +431,8 @@ def run_decay_benchmark(
     TypeError, ValueError
         Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``, a
         ``gate_temperature`` that is not a finite number of at least ``1e-6`` (a TypeError if it is
-        not a real number), CUDA requested but not available.
+        not a real number), CUDA requested but not available, an empty ``chunk_size`` sequence,
+        ``recurrent`` not a bool.
     """
     if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, numbers.Real):
         raise TypeError(f"gate_temperature must be a real number, got {type(gate_temperature).__name__}")
@@ -438,19 +450,27 @@ def run_decay_benchmark(
     seq_lens = [_check_positive_int(T, "seq_lens entries") for T in seq_lens]
     if not seq_lens:
         raise ValueError("seq_lens must hold at least one sequence length")
-    for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"), (repeats, "repeats"),
-                        (chunk_size, "chunk_size")):
+    for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"), (repeats, "repeats")):
         _check_positive_int(value, name)
+    if isinstance(chunk_size, Sequence) and not isinstance(chunk_size, str):
+        chunk_sizes = list(dict.fromkeys(_check_positive_int(C, "chunk_size entries") for C in chunk_size))
+        if not chunk_sizes:
+            raise ValueError("chunk_size must be a positive int or a non-empty sequence of them, got an empty "
+                             f"{type(chunk_size).__name__}")
+    else:
+        chunk_sizes = [_check_positive_int(chunk_size, "chunk_size")]
+    if not isinstance(recurrent, bool):
+        raise TypeError(f"recurrent must be a bool, got {type(recurrent).__name__}")
     _check_warmup(warmup)
     if threads is not None:
         _check_positive_int(threads, "threads")
     with pinned_threads(threads):
-        return _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
-                           backward, seed, progress, float(gate_temperature))
+        return _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_sizes, repeats, warmup,
+                           backward, seed, progress, float(gate_temperature), recurrent)
 
 
-def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_size, repeats, warmup,
-                backward, seed, progress, gate_temperature) -> list[dict]:
+def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_sizes, repeats, warmup,
+                backward, seed, progress, gate_temperature, recurrent) -> list[dict]:
     """The timing loop of :func:`run_decay_benchmark` (arguments already checked)."""
     from ..attention import linear_attention
     from ..ops import delta, gated_delta, gla, retention
@@ -464,20 +484,24 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
         grad_out = torch.randn(batch, heads, T, head_dim,
                                generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
         q0, k0, v0, _ = _decay_inputs("retention", batch, heads, T, head_dim, dtype, device, seed)
-        calls = [("ungated", "chunk", (q0, k0, v0),
-                  lambda q, k, v: linear_attention(q, k, v, feature_map=None, normalize=False, causal=True,
-                                                   chunk_size=chunk_size))]
-        for variant in variants:
-            q, k, v, extra = _decay_inputs(variant, batch, heads, T, head_dim, dtype, device, seed, gate_temperature)
-            for method in ("chunk", "recurrent"):
-                calls.append((variant, method, (q, k, v),
-                              lambda q, k, v, f=functions[variant], e=extra, m=method: f(
-                                  q, k, v, *e, method=m, chunk_size=chunk_size)))
-        for variant, method, qkv, fn in calls:
-            key = f"{variant}/{method}"
+        inputs = {variant: _decay_inputs(variant, batch, heads, T, head_dim, dtype, device, seed, gate_temperature)
+                  for variant in variants}
+        calls = []                  # (variant, method, C, q k v, fn): every chunk size, then the loops
+        for C in chunk_sizes:
+            calls.append(("ungated", "chunk", C, (q0, k0, v0),
+                          lambda q, k, v, C=C: linear_attention(q, k, v, feature_map=None, normalize=False,
+                                                                causal=True, chunk_size=C)))
+            for variant, (q, k, v, extra) in inputs.items():
+                calls.append((variant, "chunk", C, (q, k, v), lambda q, k, v, f=functions[variant], e=extra, C=C: f(
+                    q, k, v, *e, method="chunk", chunk_size=C)))
+        for variant, (q, k, v, extra) in inputs.items() if recurrent else ():
+            calls.append((variant, "recurrent", chunk_sizes[0], (q, k, v),
+                          lambda q, k, v, f=functions[variant], e=extra: f(q, k, v, *e, method="recurrent")))
+        for variant, method, C, qkv, fn in calls:
+            key = f"{variant}/{method}/{C}"
             fwd[key], fwd_bwd[key] = _passes(fn, qkv, grad_out)
             cells.append(dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
-                              head_dim=head_dim, chunk_size=chunk_size, effective_chunk_size=min(chunk_size, T),
+                              head_dim=head_dim, chunk_size=C, effective_chunk_size=min(C, T),
                               dtype=_dtype_name(dtype), device=str(device), device_name=_device_name(device),
                               threads=torch.get_num_threads(), gate_temperature=gate_temperature,
                               fwd_s=None, fwd_bwd_s=None, fwd_times=[],
@@ -486,7 +510,7 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
         for name, fns in passes:
             times = interleaved_times(fns, repeats=repeats, warmup=warmup, device=device)
             for cell in cells:
-                seconds = times[f"{cell['variant']}/{cell['method']}"]
+                seconds = times[f"{cell['variant']}/{cell['method']}/{cell['chunk_size']}"]
                 s = summarise(seconds)
                 cell.update({f"{name}_times": seconds, f"{name}_s": s["median"], f"{name}_spread": s["spread"]})
         results.extend(cells)
