@@ -177,7 +177,7 @@ def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[S
     seq_lens = args.seq_lens if args.seq_lens is not None else list(DEFAULT_DECAY_SEQ_LENS)
     variants = list(DECAY_VARIANTS) if args.variants is None else args.variants
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                    chunk_size=(args.chunk_size[0] if len(args.chunk_size) == 1 else args.chunk_size),
+                    chunk_size=(lambda sizes: sizes[0] if len(sizes) == 1 else sizes)(list(dict.fromkeys(args.chunk_size))),
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward, seed=args.seed,
                     recurrent=not args.no_recurrent,
                     gate_temperature=(DEFAULT_GATE_TEMPERATURE if args.gate_temperature is None

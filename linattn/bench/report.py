@@ -165,14 +165,14 @@ def format_decay_table(results: Sequence[dict]) -> str:
     first = results[0]
     chunk_rows = {(r["seq_len"], r["variant"], r["chunk_size"]): r for r in results if r["method"] == "chunk"}
     loops = {(r["seq_len"], r["variant"]): r for r in results if r["method"] == "recurrent"}
-    keys = list(chunk_rows)                                                      # in the runs' order
+    keys = list(chunk_rows) + [(T, v, None) for T, v in loops if not any(k[:2] == (T, v) for k in chunk_rows)]
     sizes = list(dict.fromkeys(r["chunk_size"] for r in results if r["method"] == "chunk"))
 
     def effective_chunk(r: dict) -> int:
         return r.get("effective_chunk_size", min(r["chunk_size"], r["seq_len"]))
 
     chunks = sorted({effective_chunk(r) for r in results})
-    per_row_chunk = len(chunks) > 1      # several T shorter than chunk_size, or several chunk sizes
+    per_row_chunk = len(chunks) > 1 or len(sizes) > 1     # several T shorter than chunk_size, or sizes
     has_ungated = any(r["variant"] == "ungated" for r in results)
     rec_names = ("rec fwd ms", "fwd rec/chunk", "rec f+b ms", "f+b rec/chunk") if loops else ()
     header = ["T", "variant", *(["C"] if per_row_chunk else []), "chunk fwd ms", *rec_names[:2],
@@ -189,8 +189,10 @@ def format_decay_table(results: Sequence[dict]) -> str:
     for T, variant, C in keys:
         chunk, rec = chunk_rows.get((T, variant, C)), loops.get((T, variant))
         row = [str(T), variant]
-        if per_row_chunk:
-            row.append(str(effective_chunk(chunk or rec)))
+        if per_row_chunk:                # the chunk size used, and the one asked for where it differs
+            r = chunk or rec
+            row.append(str(effective_chunk(r)) + ("" if effective_chunk(r) == r["chunk_size"] or len(sizes) < 2
+                                                  else f" of {r['chunk_size']}"))
         for key in ("fwd", "fwd_bwd"):
             a = None if chunk is None else chunk[f"{key}_s"]
             b = None if rec is None else rec[f"{key}_s"]
@@ -201,7 +203,8 @@ def format_decay_table(results: Sequence[dict]) -> str:
         if has_ungated:
             row.append(paired(chunk, chunk_rows.get((T, "ungated", C))))
         if len(sizes) > 1:
-            row.append(paired(chunk, chunk_rows.get((T, variant, sizes[0]))) if C != sizes[0] else "1")
+            first = chunk_rows.get((T, variant, sizes[0]))
+            row.append(paired(chunk, first) if C != sizes[0] or paired(chunk, first) == "-" else "1")
         rows.append(row)
     lines = _align(rows)
     if len(sizes) > 1:

@@ -452,13 +452,16 @@ def run_decay_benchmark(
         raise ValueError("seq_lens must hold at least one sequence length")
     for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"), (repeats, "repeats")):
         _check_positive_int(value, name)
-    if isinstance(chunk_size, Sequence) and not isinstance(chunk_size, str):
+    if isinstance(chunk_size, Sequence) and not isinstance(chunk_size, (str, bytes)):
         chunk_sizes = list(dict.fromkeys(_check_positive_int(C, "chunk_size entries") for C in chunk_size))
         if not chunk_sizes:
             raise ValueError("chunk_size must be a positive int or a non-empty sequence of them, got an empty "
                              f"{type(chunk_size).__name__}")
-    else:
+    elif isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
         chunk_sizes = [_check_positive_int(chunk_size, "chunk_size")]
+    else:
+        raise TypeError(f"chunk_size must be a positive int or a non-empty list or tuple of them, got "
+                        f"{type(chunk_size).__name__}")
     if not isinstance(recurrent, bool):
         raise TypeError(f"recurrent must be a bool, got {type(recurrent).__name__}")
     _check_warmup(warmup)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import statistics
+import random
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -188,8 +189,10 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 1,
     """Seconds of each call of each function, repetitions interleaved: ``{name: [s, ...]}``.
 
     Every function is first called ``warmup`` times (untimed). Then each of ``repeats`` rounds
-    calls every function once; the order rotates by one from round to round, so that no
-    function always runs right after the same neighbour. A function that raises is dropped
+    calls every function once, in an order drawn afresh for each round (seeded, so a run is
+    repeatable), so that no function always runs right after the same neighbour: a call can
+    pay for what the one before it left in the caches and the allocator, and rotating one
+    fixed order would keep every neighbour. A function that raises is dropped
     from the later rounds; ``on_error(name, error)`` is called (or the error re-raised if
     ``on_error`` is None) and its list holds the calls timed before.
 
@@ -232,8 +235,10 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 1,
         for _ in range(warmup):
             if name in alive:
                 call(name)
-    for r in range(repeats):
-        order = alive[r % len(alive):] + alive[: r % len(alive)] if alive else []
+    shuffle = random.Random(0).shuffle
+    for _ in range(repeats):
+        order = list(alive)
+        shuffle(order)
         for name in order:
             if name in alive:
                 seconds = call(name)
