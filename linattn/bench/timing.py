@@ -2,9 +2,10 @@
 
 ``median_time`` and ``peak_memory`` are what every chapter's timing and memory cells use.
 :func:`interleaved_times` is what the benchmark uses: every repetition calls each function
-once, in an order that rotates from round to round, so that a slow spell of a shared machine
-hits every method alike instead of the one that happened to run then; the spread of the
-repetitions is reported next to every median.
+once, in an order drawn afresh (seeded) for each round, so that a slow spell of a shared
+machine hits every method alike instead of the one that happened to run then, and no function
+always follows the same neighbour; the spread of the repetitions is reported next to every
+median.
 """
 from __future__ import annotations
 
