@@ -165,8 +165,12 @@ def _scan(W, Ut, ke, tot, S0, BH, N):
     S = S_n[0].copy_(S0.reshape(BH, Dk, Dv))
     for n in range(N):
         U_n[n].baddbmm_(W4[n], S, alpha=-1.0)                                     # U = Ũ − W S
-        S = torch.baddbmm(S if tot4[n] is None else tot4[n] * S, keT4[n], U_n[n],
-                          out=S_n[n + 1] if n + 1 < N else None)
+        nxt = S_n[n + 1] if n + 1 < N else torch.empty_like(S)
+        if tot4[n] is None:
+            nxt.copy_(S)
+        else:
+            torch.mul(S, tot4[n], out=nxt)
+        S = nxt.baddbmm_(keT4[n], U_n[n])                                         # written in place: no copy
     return Ut, S_before, S
 
 
@@ -187,8 +191,12 @@ def _scan_backward(PdO, QdO, W, ke, tot, dS, BH, N):
     dS = dS_n[N - 1].copy_(dS)
     for n in range(N - 1, -1, -1):
         dU_n[n].baddbmm_(ke4[n], dS)
-        carried = Q4[n] + (dS if tot4[n] is None else tot4[n] * dS)
-        dS = torch.baddbmm(carried, WT4[n], dU_n[n], alpha=-1.0, out=dS_n[n - 1] if n > 0 else None)
+        nxt = dS_n[n - 1] if n > 0 else torch.empty_like(dS)
+        if tot4[n] is None:
+            torch.add(Q4[n], dS, out=nxt)
+        else:
+            torch.mul(dS, tot4[n], out=nxt).add_(Q4[n])
+        dS = nxt.baddbmm_(WT4[n], dU_n[n], alpha=-1.0)                           # written in place: no copy
     return PdO, dS_after, dS
 
 
@@ -221,8 +229,9 @@ def _solve(A, kf, v, b):
     return Minv, torch.bmm(Minv, b * kf), torch.bmm(Minv, b * v)
 
 
-def _solve_backward(dO, U, S_before, dS_after, dU, Minv, A, kf, v, b):
-    """One group of chunks: ``(dP, dqf, dke, dA, dkf, dv, d_beta)`` from the scan's ``dU`` and ``dS_after``.
+def _solve_backward(dO, U, S_before, dS_after, dU, Minv, A, kf, v, b, dv):
+    """One group of chunks: ``(dP, dqf, dke, dA, dkf, d_beta)`` from the scan's ``dU`` and ``dS_after``; the
+    gradient of ``v`` is written into ``dv``.
 
     ``out = Q̃ S_n + P U`` gives ``dP`` (lower) and ``dqf``; ``S' = total S + K̂ᵀ U`` gives ``dke``;
     ``U = Ũ − W S`` and ``[W, Ũ] = M⁻¹ R`` give ``dR = M⁻ᵀ [−dU Sᵀ, dU] = [−dR_v Sᵀ, dR_v]`` and
@@ -237,7 +246,8 @@ def _solve_backward(dO, U, S_before, dS_after, dU, Minv, A, kf, v, b):
     dR_k = torch.bmm(dR_v, S_before.transpose(1, 2)).neg_()
     dM = torch.bmm(dR_v, U.transpose(1, 2)).tril_(-1).neg_()
     d_beta = (dM * A).sum(-1, keepdim=True) + (dR_k * kf).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True)
-    return dP, dqf, dke, dM.mul_(b), dR_k.mul_(b), dR_v.mul_(b), d_beta
+    torch.mul(dR_v, b, out=dv)
+    return dP, dqf, dke, dM.mul_(b), dR_k.mul_(b), d_beta
 
 
 def _prefix_scores(q, k, fs, inv, P, A):
@@ -249,9 +259,10 @@ def _prefix_scores(q, k, fs, inv, P, A):
     return kf
 
 
-def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, per_head):
-    """One group of mild chunks: ``(dq, dk, dg)`` when ``P = (Q ⊙ fs)(K ⊙ inv)ᵀ`` and ``A = (K ⊙ fs)(K ⊙ inv)ᵀ``
-    (masked; :func:`linattn.ops._decay.prefix_factors`), from :func:`_solve_backward`'s outputs.
+def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, dq, dk):
+    """One group of mild chunks with one gate per key channel: writes ``dq`` and ``dk`` and returns ``dg``
+    when ``P = (Q ⊙ fs)(K ⊙ inv)ᵀ`` and ``A = (K ⊙ fs)(K ⊙ inv)ᵀ`` (masked;
+    :func:`linattn.ops._decay.prefix_factors`), from :func:`_solve_backward`'s outputs.
 
     ``dP``, ``dA`` are masked already; ``dqf``, ``dkf`` and ``dke`` are overwritten.
     """
@@ -259,13 +270,31 @@ def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, pe
     dqf.baddbmm_(dP, kh)                                                   # all of d (q ⊙ fs)
     dkf.baddbmm_(dA, kh)                                                   # all of d (k ⊙ fs)
     dkh = torch.bmm(dP.transpose(1, 2), qf).baddbmm_(dA.transpose(1, 2), kf)
-    dq = dqf * fs
-    dk = (dkf * fs).addcmul_(dkh, inv).addcmul_(dke, te)
+    torch.mul(dqf, fs, out=dq)
+    torch.mul(dkf, fs, out=dk).addcmul_(dkh, inv).addcmul_(dke, te)
     a_fs = dqf.mul_(qf).addcmul_(dkf, kf)                                  # d fs ⊙ fs, and so on
-    b_inv, b_te = dkh.mul_(kh), dke.mul_(ke)
-    if per_head:
-        a_fs, b_inv, b_te = (x.sum(-1, keepdim=True) for x in (a_fs, b_inv, b_te))
-    return dq, dk, prefix_factors_backward(a_fs, b_inv, b_te, c_tot)
+    return prefix_factors_backward(a_fs, dkh.mul_(kh), dke.mul_(ke), c_tot)
+
+
+def _prefix_backward_head(dP, dA, dqf, dkf, dke, c_tot, q, k, P, A, fs, inv, te, ke, dq, dk):
+    """One group of mild chunks with one gate per head: writes ``dq`` and ``dk``, returns ``dg``.
+
+    As :func:`_prefix_backward`, but a per-head decay ``fs_t · inv_s`` is one number per pair of
+    tokens, so ``P = (Q Kᵀ) ⊙ F`` and ``A = (K Kᵀ) ⊙ F`` with ``F = fs invᵀ`` (masked), and ``K Kᵀ``
+    is symmetric: ``dK`` takes ``(dA ⊙ F + (dA ⊙ F)ᵀ) K`` (one matmul where the rescaled form takes
+    two). The gates' share: ``d fs ⊙ fs`` sums ``dP ⊙ P + dA ⊙ A`` along rows, ``d inv ⊙ inv``
+    along columns. ``P``, ``A`` are the saved decayed scores; ``dP``, ``dA`` (masked) are overwritten.
+    """
+    F = fs * inv.transpose(1, 2)                                               # [t, s] = e^{b_t − b_s}
+    E = (dP * P).add_(dA * A)                                                  # d F ⊙ F, masked
+    dPF, dAF = dP.mul_(F), dA.mul_(F)
+    torch.baddbmm(dqf * fs, dPF, k, out=dq)
+    torch.bmm(dPF.transpose(1, 2), q, out=dk).baddbmm_(dAF + dAF.transpose(1, 2), k)
+    dk.addcmul_(dkf, fs).addcmul_(dke, te)
+    a_fs = E.sum(-1, keepdim=True).add_((dqf * q).sum(-1, keepdim=True).add_((dkf * k).sum(-1, keepdim=True)).mul_(fs))
+    b_inv = E.sum(-2).unsqueeze(-1)
+    b_te = (dke * ke).sum(-1, keepdim=True)
+    return prefix_factors_backward(a_fs, b_inv, b_te, c_tot)
 
 
 class _WYChunk(torch.autograd.Function):
@@ -360,12 +389,12 @@ class _WYChunk(torch.autograd.Function):
                 kf, A = k_g * fs_g, KK[grp] if prefix else KK[grp] * D_g
             else:
                 kf, A = k_g, KK[grp]
-            dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
-                dO[grp], U_g, Sb_g, dSa_g, dU_g, Minv[grp], A, kf, v3[grp], b3[grp])
+            dP, dqf, dke, dA, dkf, d_beta[grp] = _solve_backward(
+                dO[grp], U_g, Sb_g, dSa_g, dU_g, Minv[grp], A, kf, v3[grp], b3[grp], dv[grp])
             c_tot = (Sb_g * dSa_g).sum((-1, -2)).view(-1, 1, 1).mul_(tot[grp]) if gated else None
             if prefix:
-                dq[grp], dk[grp], dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp],
-                                                             fs_g, inv[grp], te_g, per_head=True)
+                dg[grp] = _prefix_backward_head(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, QK[grp], KK[grp], fs_g,
+                                                inv[grp], te_g, ke[grp], dq[grp], dk[grp])
                 continue
             dKK = dA
             if gated:
@@ -454,12 +483,12 @@ class _WYChannelChunk(torch.autograd.Function):
             q_g, k_g, fs_g, te_g = q3[grp], k3[grp], fs[grp], te[grp]
             U_g, Sb_g, dU_g, dSa_g = (_rows(x, grp, N) for x in (U, S_before, dU, dS_after))
             kf = k_g * fs_g
-            dP, dqf, dke, dA, dkf, dv[grp], d_beta[grp] = _solve_backward(
-                dO[grp], U_g, Sb_g, dSa_g, dU_g, Minv[grp], A[grp], kf, v3[grp], b3[grp])
+            dP, dqf, dke, dA, dkf, d_beta[grp] = _solve_backward(
+                dO[grp], U_g, Sb_g, dSa_g, dU_g, Minv[grp], A[grp], kf, v3[grp], b3[grp], dv[grp])
             c_tot = (Sb_g * dSa_g).sum(-1).unsqueeze(-2).mul_(tot[grp])   # d total ⊙ total
             if prefix:
-                dq[grp], dk[grp], dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp],
-                                                             fs_g, inv[grp], te_g, per_head=False)
+                dg[grp] = _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q_g, k_g, kf, ke[grp], fs_g, inv[grp], te_g,
+                                           dq[grp], dk[grp])
                 continue
             dq_g, dk_p, a_p, b_p, _ = scores_fast_backward(dP, q_g, k_g, False, g3[grp])
             dk_x, dk_y, a_a, b_a, _ = scores_fast_backward(dA, k_g, k_g, True, g3[grp])
