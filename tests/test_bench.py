@@ -464,6 +464,26 @@ def test_decay_several_chunk_sizes_in_the_same_rounds():
         bench.run_decay_benchmark([8], recurrent=1)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="minor page faults are counted on Linux")
+def test_interleaved_times_counts_the_page_faults_of_each_timed_call():
+    """A call that fills 32 MiB of fresh memory (mmapped by glibc) faults once per page of it; one
+    that reuses its buffer hardly ever, after the warm-up."""
+    buf = torch.empty(2 ** 23)
+    fns = {"fresh": lambda: torch.empty(2 ** 23).fill_(1.0), "reused": lambda: buf.fill_(1.0)}
+    faults = {"stale": [1]}
+    times = bench.interleaved_times(fns, repeats=3, warmup=1, faults=faults)
+    assert set(faults) == {"stale", "fresh", "reused"} and all(len(faults[n]) == 3 for n in fns)
+    assert min(faults["fresh"]) >= 2 ** 25 // 2 ** 21           # one per page even with 2 MiB pages
+    assert max(faults["reused"]) < min(faults["fresh"]) // 4
+    assert all(len(times[n]) == 3 for n in fns)
+    rows = bench.run_decay_benchmark([16], variants=["delta"], heads=1, head_dim=4, chunk_size=8, repeats=2,
+                                     warmup=0, recurrent=False)
+    assert all(len(r["fwd_minor_faults"]) == 2 and len(r["fwd_bwd_minor_faults"]) == 2 for r in rows)
+    assert all(isinstance(n, int) and n >= 0 for r in rows for n in r["fwd_bwd_minor_faults"])
+    with pytest.raises(TypeError, match="faults must be a dict"):
+        bench.interleaved_times(fns, repeats=1, faults=[])
+
+
 def _fake_decay_rows(times: dict) -> list[dict]:
     """Rows as run_decay_benchmark returns them, with given f+b times per (variant, method, C)."""
     rows = []

@@ -424,7 +424,9 @@ def run_decay_benchmark(
         ``method``, ``seq_len``, ``batch``, ``heads``, ``head_dim``, ``chunk_size``,
         ``effective_chunk_size`` (``min(chunk_size, T)``), ``dtype``, ``device``, ``device_name``,
         ``threads``, ``gate_temperature``, ``fwd_s`` and ``fwd_bwd_s`` (medians), ``fwd_times`` and ``fwd_bwd_times``,
-        ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured).
+        ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured),
+        ``fwd_minor_faults`` and ``fwd_bwd_minor_faults`` (the minor page faults of each timed
+        call, :func:`linattn.bench.timing.interleaved_times`; None on CUDA or without ``resource``).
 
     Raises
     ------
@@ -508,13 +510,16 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                               dtype=_dtype_name(dtype), device=str(device), device_name=_device_name(device),
                               threads=torch.get_num_threads(), gate_temperature=gate_temperature,
                               fwd_s=None, fwd_bwd_s=None, fwd_times=[],
-                              fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None))
+                              fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None,
+                              fwd_minor_faults=None, fwd_bwd_minor_faults=None))
         passes = [("fwd", fwd)] + ([("fwd_bwd", fwd_bwd)] if backward else [])
         for name, fns in passes:
-            times = interleaved_times(fns, repeats=repeats, warmup=warmup, device=device)
+            faults: dict = {}
+            times = interleaved_times(fns, repeats=repeats, warmup=warmup, device=device, faults=faults)
             for cell in cells:
-                seconds = times[f"{cell['variant']}/{cell['method']}/{cell['chunk_size']}"]
-                s = summarise(seconds)
-                cell.update({f"{name}_times": seconds, f"{name}_s": s["median"], f"{name}_spread": s["spread"]})
+                key = f"{cell['variant']}/{cell['method']}/{cell['chunk_size']}"
+                s = summarise(times[key])
+                cell.update({f"{name}_times": times[key], f"{name}_s": s["median"], f"{name}_spread": s["spread"],
+                             f"{name}_minor_faults": faults[key] or None})
         results.extend(cells)
     return results
