@@ -247,6 +247,8 @@ DECAY_TINY = ["--decay", "--device", "cpu", "--heads", "1", "--head-dim", "4", "
     (["--max-memory-gb", "1"], "--max-memory-gb"),
     (["--max-memory-gb", "inf"], "--max-memory-gb"),
     (["--plot", "out.png"], "--plot"),
+    (["--reference", "chunk"], "--reference"),          # the default's name too, not only other methods
+    (["--reference", "sdpa"], "--reference"),
 ])
 def test_decay_refuses_flags_that_do_not_apply(extra, flag, capsys):
     """--methods and --max-memory-gb used to be ignored silently (exit 0) while --plot was

@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--head-dim", type=_positive_int, default=64, help="head dimension D = Dv (default: %(default)s)")
     add("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
         help=f"methods to run, out of: {', '.join(METHODS)} (default: all but compiled_baseline)")
-    add("--reference", choices=METHODS, default="chunk",
-        help="the method the ratio columns divide by (default: %(default)s)")
+    add("--reference", choices=METHODS, default=None,
+        help="the method the ratio columns divide by (default: chunk)")
     add("--chunk-size", type=_positive_int, nargs="+", default=[DEFAULT_CHUNK_SIZE], metavar="C",
         help=f"chunk size C of the chunkwise methods (default: {DEFAULT_CHUNK_SIZE}); with --decay, several are "
              "timed in the same rounds and compared with the first")
@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.decay:
         for flag, value in (("--methods", args.methods), ("--max-memory-gb", args.max_memory_gb),
                             ("--plot", args.plot),
-                            ("--reference", None if args.reference == "chunk" else args.reference)):
+                            ("--reference", args.reference)):
             if value is not None:
                 parser.error(f"{flag} does not apply to --decay")
     else:
@@ -157,12 +157,13 @@ def _main_attention(args: argparse.Namespace, device: torch.device, argv: Option
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
                     max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size[0], seed=args.seed)
     results = run_benchmark(methods, seq_lens, **settings, progress=not args.no_progress)
-    print(format_table(results, reference=args.reference))
+    reference = args.reference or "chunk"
+    print(format_table(results, reference=reference))
     if args.json is not None:
         metadata = machine_info(device)
         metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},
                         seq_lens=seq_lens, methods=list(dict.fromkeys(methods)), threads=args.threads,
-                        reference=args.reference, matmul_size=2048,
+                        reference=reference, matmul_size=2048,
                         matmul_gflops=results[0]["matmul_gflops"], max_memory_bytes=results[0]["max_memory_bytes"],
                         command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
         _write_json(args.json, metadata, results)
