@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-try:
-    import resource                 # POSIX only: the page-fault counts of interleaved_times
-except ImportError:                 # pragma: no cover (Windows)
-    resource = None
 import statistics
 import random
 import time
@@ -24,6 +20,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+try:
+    import resource                 # POSIX only: the page-fault counts of interleaved_times
+except ImportError:                 # pragma: no cover (Windows)
+    resource = None
 
 __all__ = ["median_time", "peak_memory", "interleaved_times", "summarise", "paired_ratios", "matmul_gflops",
            "pinned_threads", "cpu_name"]
@@ -205,9 +206,10 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 1,
     With ``faults`` (a dict, filled in place), each timed call's minor page faults are also
     counted, ``faults[name] = [n, ...]`` beside the times: the pages the process touched for the
     first time (or again, after the allocator returned them to the system). On Linux each costs
-    microseconds of the call's time (about 2 µs on the machine the book was measured on), which a method that reuses its memory
-    avoids; summed over all the process's threads (``getrusage``), and left empty where the
-    platform has no ``resource`` module or on CUDA, where the device's memory is what matters.
+    microseconds of the call's time (about 2 µs on the machine the book was measured on), which
+    a method that reuses its memory avoids. Summed over all the process's threads
+    (``getrusage``); left empty where the platform has no ``resource`` module, and on CUDA, where
+    the device's memory is what matters.
 
     Parameters
     ----------
@@ -249,12 +251,13 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 1,
     def call(name: str, timed: bool = False) -> Optional[float]:
         try:
             _sync(device)
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if count else 0
+            counted = count and timed
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if counted else 0
             start = time.perf_counter()
             fns[name]()
             _sync(device)
             seconds = time.perf_counter() - start
-            if count and timed:
+            if counted:
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
             return seconds
         except Exception as err:  # noqa: BLE001  (reported to the caller, who marks the cell failed)
