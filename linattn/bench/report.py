@@ -215,7 +215,8 @@ def format_decay_table(results: Sequence[dict]) -> str:
     where = first.get("device_name") or first["device"]
     title = (f"linattn decay family on {first['device']} ({where}){', ' + threads if threads else ''}, "
              f"{first['dtype']}, B={first['batch']} H={first['heads']} D=Dv={first['head_dim']}{_gates_text(results)}, "
-             f"{chunk_text}: chunk{' vs recurrent' if loops else ' forms'}")
+             f"{chunk_text}: chunk{' vs recurrent' if loops else ' forms'}"
+             f"{' (LINATTN_CPU_KERNEL=1: compiled CPU loops)' if any(r.get('cpu_kernel') for r in results) else ''}")
     legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; ±: half the range of the "
               "repetitions over the median")
     if loops:
@@ -294,6 +295,7 @@ def machine_info(device: Union[torch.device, str]) -> dict:
         "cpu_capability": _cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernel": os.environ.get("LINATTN_CPU_KERNEL", "0") == "1",
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),

@@ -426,7 +426,9 @@ def run_decay_benchmark(
         ``threads``, ``gate_temperature``, ``fwd_s`` and ``fwd_bwd_s`` (medians), ``fwd_times`` and ``fwd_bwd_times``,
         ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured),
         ``fwd_minor_faults`` and ``fwd_bwd_minor_faults`` (the minor page faults of each timed
-        call, :func:`linattn.bench.timing.interleaved_times`; None on CUDA or without ``resource``).
+        call, :func:`linattn.bench.timing.interleaved_times`; None on CUDA or without ``resource``),
+        ``cpu_kernel`` (True when ``LINATTN_CPU_KERNEL=1`` had the chunk forms of the ungated update,
+        the delta rule and the gated delta rule run the compiled loops of :mod:`linattn.kernels.cpu`).
 
     Raises
     ------
@@ -483,6 +485,9 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
     functions = {"retention": retention.retention, "gla": gla.gated_linear_attention, "delta": delta.delta_rule,
                  "gated_delta": gated_delta.gated_delta_rule,
                  "gated_delta_channel": gated_delta.gated_delta_rule}
+    from ..kernels import cpu
+
+    compiled = device.type == "cpu" and cpu.cpu_kernel_enabled() and cpu.cpu_kernel_available()
     results = []
     for T in tqdm(seq_lens, disable=not progress, unit="T", desc="linattn.bench --decay", file=sys.stderr):
         cells, fwd, fwd_bwd = [], {}, {}
@@ -511,7 +516,7 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                               threads=torch.get_num_threads(), gate_temperature=gate_temperature,
                               fwd_s=None, fwd_bwd_s=None, fwd_times=[],
                               fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None,
-                              fwd_minor_faults=None, fwd_bwd_minor_faults=None))
+                              fwd_minor_faults=None, fwd_bwd_minor_faults=None, cpu_kernel=compiled))
         passes = [("fwd", fwd)] + ([("fwd_bwd", fwd_bwd)] if backward else [])
         for name, fns in passes:
             faults: dict = {}

@@ -54,11 +54,13 @@ from torch import Tensor
 
 from .._checks import check_tensor, shape_str
 from .._numerics import no_autocast
+from ..ops._common import differentiable_backward
 from ..ops.linear import _NO_SECOND_DERIVATIVE
 
 __all__ = ["causal_linear_attention_cpu", "cpu_kernel_available", "cpu_kernel_enabled", "build_info"]
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_causal.cpp")
+_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_delta.cpp"))     # one library: linear attention, the delta rule
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC", "-pthread"]
 _NATIVE = ["-march=native"]
 _VECTOR_BYTES = 64
@@ -126,7 +128,8 @@ def _cache_dir() -> pathlib.Path:
 def _build(compiler: str, flags: list[str]) -> pathlib.Path:
     """Compile the source with ``flags`` into the cache (once per source, flags, compiler, CPU)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(flags), version, _machine_key()]).encode())
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), " ".join(flags), version,
+                                    _machine_key()]).encode())
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"linattn_cpu_{key.hexdigest()[:16]}.so"
@@ -134,7 +137,7 @@ def _build(compiler: str, flags: list[str]) -> pathlib.Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         try:
-            proc = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
+            proc = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr.strip()[-2000:] or f"{compiler} exited with {proc.returncode}")
@@ -175,6 +178,12 @@ def _library():
                 grad = getattr(lib, f"linattn_elu_grad_{suffix}")
                 grad.restype = None
                 grad.argtypes = [p, p, i64]
+                fwd = getattr(lib, f"linattn_delta_forward_{suffix}")
+                fwd.restype = ctypes.c_int
+                fwd.argtypes = [p] * 8 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+                bwd = getattr(lib, f"linattn_delta_backward_{suffix}")
+                bwd.restype = ctypes.c_int
+                bwd.argtypes = [p] * 13 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
             if lib.linattn_vector_bytes() != _VECTOR_BYTES:
                 lib, errors = None, ["library and module disagree on the vector length"]
         _state["error"] = "; ".join(errors) if lib is None else None
@@ -436,3 +445,115 @@ def warn_unavailable_once() -> None:
         _state["warned"] = True
         warnings.warn(f"LINATTN_CPU_KERNEL=1 but the linattn CPU kernel is not available "
                       f"({_state.get('error')}); using the PyTorch path", RuntimeWarning, stacklevel=4)
+
+
+# --------------------------------------------------------------------------- the delta rule, token by token
+
+_GATES = {None: 0, "head": 1, "channel": 2}
+_MAX_VECTORS = 16            # MAXV of cpu_delta.cpp
+
+
+def delta_kernel_usable(*tensors: Optional[Tensor]) -> bool:
+    """Whether the delta rule's ``method="chunk"`` should take this library's token loop here.
+
+    ``LINATTN_CPU_KERNEL=1``, CPU float32/float64 tensors, plain autograd (not under
+    ``torch.compile``, ``torch.func`` transforms or forward-mode AD, which see every op of the
+    PyTorch forms instead), and a built library (else a RuntimeWarning, once, and the PyTorch path).
+    """
+    from ..ops._decay import autograd_must_see_every_op
+
+    first, v = tensors[0], tensors[2]
+    if not cpu_kernel_enabled() or first.device.type != "cpu" or first.dtype not in _DTYPES:
+        return False
+    if v.shape[-1] > _MAX_VECTORS * (_VECTOR_BYTES // v.element_size()):    # the kernel's rows: 16 vectors at most
+        return False
+    if autograd_must_see_every_op(*tensors):
+        return False
+    if not cpu_kernel_available():
+        warn_unavailable_once()
+        return False
+    return True
+
+
+def delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_g: Optional[Tensor], S0: Tensor,
+                   chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The (gated) delta rule token by token in this library: ``(out (B, H, T, Dv), S_final (B, H, Dk, Dv))``.
+
+    The compiled twin of :func:`linattn.delta_rule` and :func:`linattn.gated_delta_rule`
+    (``S_t = diag(α_t) S_{t−1} + β_t k_t (v_t − (diag(α_t) S_{t−1})ᵀ k_t)ᵀ``, ``o_t = S_tᵀ q_t``;
+    Schlag et al., 2021; Yang, Kautz & Hatamizadeh, 2025, arXiv:2412.06464, eq. 10), called by
+    their ``method="chunk"`` when :func:`delta_kernel_usable` says so; private, its inputs are
+    checked by those functions. ``q``, ``k`` ``(B, H, T, Dk)``, ``v`` ``(B, H, T, Dv)``, ``beta``
+    ``(B, H, T)``, ``log_g`` None (no gates), ``(B, H, T, 1)`` (one per head) or ``(B, H, T, Dk)``
+    (one per key channel), ``S0`` ``(B, H, Dk, Dv)``, all CPU float32 or all float64. The state
+    stays in the L1 cache: per token two passes over it forward, four backward (the block's states
+    recomputed from a copy kept every ``chunk_size`` tokens: ``(B, H, ⌈T/C⌉, Dk, Dv)`` kept for the
+    backward pass). Differentiable (hand-written backward, every input's gradient); a backward pass
+    that must itself be differentiable recomputes the recurrence op by op.
+    """
+    gate = None if log_g is None else ("head" if log_g.shape[-1] == 1 else "channel")
+    return _CpuDeltaRule.apply(q, k, v, beta, log_g, S0, int(chunk_size), gate)
+
+
+def _delta_recurrent_ops(q, k, v, beta, log_g, S0):
+    """The same recurrence op by op (for second derivatives): ``(out, S)``."""
+    from ..ops.delta import _delta_recurrent
+    from ..ops.gated_delta import _gated_delta_recurrent
+
+    if log_g is None:
+        return _delta_recurrent(q, k, v, beta, S0)
+    return _gated_delta_recurrent(q, k, v, log_g, beta, S0)
+
+
+class _CpuDeltaRule(torch.autograd.Function):
+    """Forward: one pass of the token loop (keeping the state every ``chunk_size`` tokens); backward: one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, log_g, S0, chunk_size: int, gate: Optional[str]):
+        ctx.save_for_backward(q, k, v, beta, log_g, S0)          # the inputs themselves (second derivatives)
+        B, H, T, Dk = k.shape
+        Dv = v.shape[-1]
+        C = chunk_size
+        N = -(-T // C)
+        q, k, beta = (x.contiguous() for x in (q, k, beta))
+        v = _pad_to_vector(v)                    # Dv in whole vectors: zero columns, which stay zero
+        Dp = v.shape[-1]
+        alpha = None if log_g is None else log_g.exp().contiguous()
+        S = _pad_to_vector(S0).clone() if Dp != Dv else S0.clone(memory_format=torch.contiguous_format)
+        out = v.new_empty(B, H, T, Dp)
+        ck = v.new_empty(B, H, N, Dk, Dp)
+        fn = getattr(_library(), f"linattn_delta_forward_{_DTYPES[v.dtype]}")
+        status = fn(_ptr(q), _ptr(k), _ptr(v), _ptr(beta), _ptr(alpha), _ptr(S), _ptr(out), _ptr(ck), B * H, T, Dk,
+                    Dp, C, _GATES[gate], torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+        ctx.config, ctx.kept = (C, gate, Dv), (alpha, ck)
+        if Dp != Dv:
+            out, S = out[..., :Dv].contiguous(), S[..., :Dv].contiguous()
+        return out, S
+
+    @staticmethod
+    def backward(ctx, d_out, d_S):
+        q, k, v, beta, log_g, S0 = ctx.saved_tensors
+        (C, gate, Dv), (alpha, ck) = ctx.config, ctx.kept
+        if torch.is_grad_enabled():          # create_graph=True: autograd differentiates the recurrence op by op
+            return (*differentiable_backward(_delta_recurrent_ops, (q, k, v, beta, log_g, S0), d_out, d_S),
+                    None, None)
+        q, k, beta = (x.contiguous() for x in (q, k, beta))
+        v = _pad_to_vector(v)
+        B, H, T, Dk = k.shape
+        Dp = v.shape[-1]
+        d_out = _pad_to_vector(d_out.to(v.dtype))
+        dS = _pad_to_vector(d_S.to(v.dtype))                                 # in: dS_final; out: dS0
+        dS = dS.clone() if dS is d_S else dS
+        dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+        dlog = None if log_g is None else torch.empty_like(alpha)
+        fn = getattr(_library(), f"linattn_delta_backward_{_DTYPES[v.dtype]}")
+        status = fn(_ptr(q), _ptr(k), _ptr(v), _ptr(beta), _ptr(alpha), _ptr(ck), _ptr(d_out), _ptr(dS), _ptr(dq),
+                    _ptr(dk), _ptr(dv), _ptr(dbeta), _ptr(dlog), B * H, T, Dk, Dp, C, _GATES[gate],
+                    torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+        if Dp != Dv:
+            dv, dS = dv[..., :Dv].contiguous(), dS[..., :Dv].contiguous()
+        return dq, dk, dv, dbeta, dlog, dS, None, None

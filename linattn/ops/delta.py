@@ -125,9 +125,14 @@ def _delta_chunk(q, k, v, beta, S0, chunk_size):
 
     Padded tokens have ``k = v = q = 0`` and ``β = 0``: they leave the state unchanged.
     """
+    from ..kernels import cpu
+
+    S0 = zeros_state(k, v, S0)
+    if cpu.delta_kernel_usable(q, k, v, beta, S0):                   # LINATTN_CPU_KERNEL=1: the compiled loop
+        return cpu.delta_rule_cpu(q, k, v, beta, None, S0, chunk_size)
     B, H, T, Dk = k.shape
     C, N = num_chunks(T, chunk_size)
     qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
     bc = to_chunks(beta.unsqueeze(-1), N, C)                          # (B, H, N, C, 1)
-    out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0))          # see linattn.ops._wy
+    out, S = wy_chunk(qc, kc, vc, bc, S0)                             # see linattn.ops._wy
     return from_chunks(out, T), S

@@ -184,8 +184,13 @@ def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
 
     Padded tokens have ``k = v = q = 0``, ``β = 0`` and ``log_g = 0``: they leave the state unchanged.
     """
+    from ..kernels import cpu
+
     B, H, T, Dk = k.shape
     log_g = log_g.clamp(min=LOG_G_FLOOR)                                # see LOG_G_FLOOR
+    S0 = zeros_state(k, v, S0)
+    if cpu.delta_kernel_usable(q, k, v, log_g, beta, S0):             # LINATTN_CPU_KERNEL=1: the compiled loop
+        return cpu.delta_rule_cpu(q, k, v, beta, log_g, S0, chunk_size)
     C, N = num_chunks(T, chunk_size)
     Cp = padded_chunk(C) if per_channel else C
 
@@ -195,7 +200,7 @@ def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
 
     qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, log_g, beta.unsqueeze(-1)))
     if per_channel:                                                     # linattn.ops._wy with linattn.ops._decay
-        out, S = wy_chunk_channel(qc, kc, vc, bc, zeros_state(k, v, S0), gc)
+        out, S = wy_chunk_channel(qc, kc, vc, bc, S0, gc)
         return from_chunks(out[:, :, :, :C], T), S
-    out, S = wy_chunk(qc, kc, vc, bc, zeros_state(k, v, S0), gc)          # one gate per head: linattn.ops._wy
+    out, S = wy_chunk(qc, kc, vc, bc, S0, gc)        # one gate per head: linattn.ops._wy
     return from_chunks(out, T), S

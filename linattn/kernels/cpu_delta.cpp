@@ -1,0 +1,309 @@
+// The gated delta rule token by token, forward and backward, for linattn.kernels.cpu.
+//
+// Per head, with the state S (Dk rows x Dv columns, row-major) in the L1 cache and a_t the
+// gate (1 without gates, one number per head, or one per key channel, i.e. per row of S):
+//
+//     S' = diag(a_t) S_{t-1},   r_t = v_t - S'^T k_t,   u_t = beta_t r_t,
+//     S_t = S' + k_t u_t^T,     o_t = S_t^T q_t
+//
+// (Schlag, Irie & Schmidhuber, 2021; Yang, Kautz & Hatamizadeh, 2025, eq. 10). Two passes over
+// the state per token forward. The forward pass also copies the state at the start of every
+// block of C tokens; the backward pass walks the blocks last to first, recomputes each block's
+// states from its copy (C states of Dk x Dv: in the L2 cache for C = 64, D = 64) and goes back
+// through its tokens with the gradient dS of the state, two passes per token:
+//
+//     dS += q_t do_t^T,  dq_t = S_t do_t,  du = dS^T k_t,  dk_t = dS u_t - S' (beta_t du)
+//     dv_t = beta_t du,  dbeta_t = du . r_t,  dS' = dS - k_t (beta_t du)^T,
+//     d log a_t = rows of S' (.) dS' summed along Dv (and over rows for one gate per head),
+//     dS_{t-1} = diag(a_t) dS'.
+//
+// GCC/Clang vector extensions along Dv (vectors of 64 bytes: AVX-512 registers where the CPU has
+// them, split by the compiler elsewhere; Dv is padded to whole vectors by the caller, with zero
+// columns that stay zero); no -ffast-math, so NaN and infinity propagate
+// as IEEE arithmetic says, and a token reaches only the outputs at and after it.
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int MAXV = 16;   // vectors per row of the state at most (Dv <= 256 float32, <= 128 float64)
+
+template <typename R, int N>
+struct Half;
+
+template <typename R>
+struct Vec {
+    typedef R type __attribute__((vector_size(64)));
+    static constexpr int lanes = 64 / sizeof(R);
+};
+
+template <typename V, typename R>
+inline V vload(const R* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+}
+
+template <typename V, typename R>
+inline void vstore(R* p, const V& v) {
+    std::memcpy(p, &v, sizeof(V));
+}
+
+// The sum of a vector's lanes as a tree of halves (a fixed order; about log2(lanes) adds, where
+// a lane-by-lane loop is a chain of `lanes` dependent adds).
+template <typename R, int N>
+struct Half {
+    typedef R type __attribute__((vector_size(N * sizeof(R))));
+    static R sum(const type& x) {
+        typedef typename Half<R, N / 2>::type H;
+        H lo, hi;
+        std::memcpy(&lo, &x, sizeof(H));
+        std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof(H), sizeof(H));
+        return Half<R, N / 2>::sum(lo + hi);
+    }
+};
+
+template <typename R>
+struct Half<R, 2> {
+    typedef R type __attribute__((vector_size(2 * sizeof(R))));
+    static R sum(const type& x) { return x[0] + x[1]; }
+};
+
+template <typename R>
+inline R hsum(const typename Half<R, 64 / sizeof(R)>::type& x) {
+    return Half<R, 64 / sizeof(R)>::sum(x);
+}
+
+template <typename R>
+struct DeltaArgs {
+    const R *q, *k, *v, *beta, *alpha;   // (BH, T, Dk), (BH, T, Dk), (BH, T, Dv), (BH, T), gates or null
+    R *S;                                // (BH, Dk, Dv): the initial state in, the final state out
+    R *out, *ck;                         // (BH, T, Dv), (BH, N, Dk, Dv)
+    const R *dout;                       // backward: (BH, T, Dv)
+    R *dq, *dk, *dv, *dbeta, *dlog;      // backward outputs; S holds dS_final in and dS0 out
+    int64_t BH, T, Dk, Dv, C;
+    int gate;                            // 0: none, 1: one per head (BH, T), 2: one per key channel (BH, T, Dk)
+};
+
+template <typename R>
+inline R gate_of(int gate, const R* alpha, int64_t t, int64_t Dk, int64_t i) {
+    return gate == 0 ? R(1) : (gate == 1 ? alpha[t] : alpha[t * Dk + i]);
+}
+
+// One token forward: S <- diag(a) S, r = v - S^T k, u = beta r (both stored), S += k u^T, and
+// o = S^T q when o is not null. NVT vectors per row (0: nv, known at run time only).
+template <typename R, int NVT>
+inline void step(int gate, const R* __restrict alpha, int64_t t, int64_t Dk, int64_t nv, const R* __restrict kt,
+                 const R* __restrict vt, R b, R* __restrict S, R* __restrict r, R* __restrict u,
+                 const R* __restrict qt, R* __restrict o) {
+    using V = typename Vec<R>::type;
+    constexpr int L = Vec<R>::lanes;
+    const int64_t NV = NVT > 0 ? NVT : nv, Dv = NV * L;
+    V acc[NVT > 0 ? NVT : MAXV], uu[NVT > 0 ? NVT : MAXV];
+    for (int64_t j = 0; j < NV; ++j) acc[j] = V{};
+    for (int64_t i = 0; i < Dk; ++i) {
+        const R ai = gate_of(gate, alpha, t, Dk, i), ki = kt[i];
+        R* Si = S + i * Dv;
+        for (int64_t j = 0; j < NV; ++j) {
+            const V s = ai * vload<V>(Si + j * L);
+            vstore(Si + j * L, s);
+            acc[j] += ki * s;
+        }
+    }
+    for (int64_t j = 0; j < NV; ++j) {
+        const V rj = vload<V>(vt + j * L) - acc[j];
+        vstore(r + j * L, rj);
+        uu[j] = b * rj;
+        vstore(u + j * L, uu[j]);
+        acc[j] = V{};
+    }
+    for (int64_t i = 0; i < Dk; ++i) {
+        const R ki = kt[i];
+        R* Si = S + i * Dv;
+        if (o != nullptr) {
+            const R qi = qt[i];
+            for (int64_t j = 0; j < NV; ++j) {
+                const V s = vload<V>(Si + j * L) + ki * uu[j];
+                vstore(Si + j * L, s);
+                acc[j] += qi * s;
+            }
+        } else {
+            for (int64_t j = 0; j < NV; ++j) vstore(Si + j * L, vload<V>(Si + j * L) + ki * uu[j]);
+        }
+    }
+    if (o != nullptr)
+        for (int64_t j = 0; j < NV; ++j) vstore(o + j * L, acc[j]);
+}
+
+template <typename R, int NVT>
+void forward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
+    const int64_t T = a.T, Dk = a.Dk, Dv = a.Dv, C = a.C, N = (T + C - 1) / C, nv = Dv / Vec<R>::lanes;
+    const R *q = a.q + h * T * Dk, *k = a.k + h * T * Dk, *v = a.v + h * T * Dv, *beta = a.beta + h * T;
+    const R* alpha = a.gate == 0 ? nullptr : a.alpha + h * T * (a.gate == 1 ? 1 : Dk);
+    R *S = a.S + h * Dk * Dv, *out = a.out + h * T * Dv, *ck = a.ck + h * N * Dk * Dv;
+    R *r = work.data(), *u = r + Dv;
+    for (int64_t t = 0; t < T; ++t) {
+        if (t % C == 0) std::memcpy(ck + (t / C) * Dk * Dv, S, sizeof(R) * Dk * Dv);
+        step<R, NVT>(a.gate, alpha, t, Dk, nv, k + t * Dk, v + t * Dv, beta[t], S, r, u, q + t * Dk, out + t * Dv);
+    }
+}
+
+template <typename R, int NVT>
+void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
+    using V = typename Vec<R>::type;
+    constexpr int L = Vec<R>::lanes;
+    const int64_t T = a.T, Dk = a.Dk, Dv = a.Dv, C = a.C, N = (T + C - 1) / C, M = Dk * Dv;
+    const int64_t NV = NVT > 0 ? NVT : Dv / L;
+    const int64_t off_k = h * T * Dk, off_v = h * T * Dv;
+    const R *q = a.q + off_k, *k = a.k + off_k, *v = a.v + off_v, *beta = a.beta + h * T, *dout = a.dout + off_v;
+    const int64_t gw = a.gate == 2 ? Dk : 1;
+    const R* alpha = a.gate == 0 ? nullptr : a.alpha + h * T * gw;
+    const R* ck = a.ck + h * N * M;
+    R *dS = a.S + h * M, *dq = a.dq + off_k, *dk = a.dk + off_k, *dv = a.dv + off_v, *dbeta = a.dbeta + h * T;
+    R* dlog = a.gate == 0 ? nullptr : a.dlog + h * T * gw;
+    R *prev = work.data(), *U = prev + C * M, *Rr = U + C * Dv, *S = Rr + C * Dv, *dk1 = S + M;
+    V du[NVT > 0 ? NVT : MAXV], e[NVT > 0 ? NVT : MAXV], uu[NVT > 0 ? NVT : MAXV], g[NVT > 0 ? NVT : MAXV];
+    for (int64_t n = N - 1; n >= 0; --n) {
+        const int64_t t0 = n * C, t1 = t0 + C < T ? t0 + C : T;
+        std::memcpy(S, ck + n * M, sizeof(R) * M);
+        for (int64_t t = t0; t < t1; ++t) {                       // the block's states, again
+            std::memcpy(prev + (t - t0) * M, S, sizeof(R) * M);
+            step<R, NVT>(a.gate, alpha, t, Dk, NV, k + t * Dk, v + t * Dv, beta[t], S, Rr + (t - t0) * Dv,
+                         U + (t - t0) * Dv, static_cast<const R*>(nullptr), static_cast<R*>(nullptr));
+        }
+        for (int64_t t = t1 - 1; t >= t0; --t) {
+            const R *Sp = prev + (t - t0) * M, *r = Rr + (t - t0) * Dv;
+            const R *kt = k + t * Dk, *qt = q + t * Dk;
+            const R b = beta[t];
+            for (int64_t j = 0; j < NV; ++j) {
+                du[j] = V{};
+                uu[j] = vload<V>(U + (t - t0) * Dv + j * L);
+                g[j] = vload<V>(dout + t * Dv + j * L);
+            }
+            for (int64_t i = 0; i < Dk; ++i) {                    // dS += q do^T; dq = S_t do; du = dS^T k; dS u
+                const R ai = gate_of(a.gate, alpha, t, Dk, i), ki = kt[i], qi = qt[i];
+                const R* Spi = Sp + i * Dv;
+                R* dSi = dS + i * Dv;
+                V gq{}, gk{};
+                for (int64_t j = 0; j < NV; ++j) {
+                    const V d = vload<V>(dSi + j * L) + qi * g[j];
+                    vstore(dSi + j * L, d);
+                    gq += (ai * vload<V>(Spi + j * L) + ki * uu[j]) * g[j];
+                    du[j] += ki * d;
+                    gk += d * uu[j];
+                }
+                dq[t * Dk + i] = hsum<R>(gq);
+                dk1[i] = hsum<R>(gk);
+            }
+            V gb{};
+            for (int64_t j = 0; j < NV; ++j) {
+                e[j] = b * du[j];
+                vstore(dv + t * Dv + j * L, e[j]);
+                gb += du[j] * vload<V>(r + j * L);
+            }
+            dbeta[t] = hsum<R>(gb);
+            R g_head = R(0);
+            for (int64_t i = 0; i < Dk; ++i) {                    // dS' = dS - k e^T; dk; d log a; dS_{t-1}
+                const R ai = gate_of(a.gate, alpha, t, Dk, i), ki = kt[i];
+                const R* Spi = Sp + i * Dv;
+                R* dSi = dS + i * Dv;
+                V gk{}, ga{};
+                for (int64_t j = 0; j < NV; ++j) {
+                    const V s = ai * vload<V>(Spi + j * L);
+                    const V d = vload<V>(dSi + j * L) - ki * e[j];
+                    gk += s * e[j];
+                    ga += s * d;
+                    vstore(dSi + j * L, ai * d);
+                }
+                dk[t * Dk + i] = dk1[i] - hsum<R>(gk);
+                const R la = hsum<R>(ga);
+                if (a.gate == 2) dlog[t * Dk + i] = la;
+                g_head += la;
+            }
+            if (a.gate == 1) dlog[t] = g_head;
+        }
+    }
+}
+
+template <typename R, int NVT>
+void one_head(const DeltaArgs<R>& a, bool backward, int64_t h, std::vector<R>& work) {
+    if (backward) backward_head<R, NVT>(a, h, work);
+    else forward_head<R, NVT>(a, h, work);
+}
+
+template <typename R>
+int run_heads(const DeltaArgs<R>& a, bool backward, int n_threads) {
+    constexpr int L = Vec<R>::lanes;
+    if (a.BH < 0 || a.T < 0 || a.Dk < 1 || a.Dv < 1 || a.C < 1 || a.gate < 0 || a.gate > 2) return 1;
+    if (a.Dv % L != 0 || a.Dv / L > MAXV) return 2;          // the caller pads Dv to whole vectors
+    if (a.BH == 0 || a.T == 0) return 0;
+    const int64_t M = a.Dk * a.Dv;
+    const size_t need = backward ? size_t(a.C * M + 2 * a.C * a.Dv + M + a.Dk) : size_t(2 * a.Dv);
+    const int64_t nv = a.Dv / L;
+    int64_t workers = n_threads < 1 ? 1 : n_threads;
+    if (workers > a.BH) workers = a.BH;
+    auto body = [&](int64_t first) {
+        std::vector<R> work(need);
+        for (int64_t h = first; h < a.BH; h += workers) {
+            switch (nv) {                                     // the usual widths unrolled
+                case 1: one_head<R, 1>(a, backward, h, work); break;
+                case 2: one_head<R, 2>(a, backward, h, work); break;
+                case 4: one_head<R, 4>(a, backward, h, work); break;
+                case 8: one_head<R, 8>(a, backward, h, work); break;
+                default: one_head<R, 0>(a, backward, h, work);
+            }
+        }
+    };
+    if (workers == 1) {
+        body(0);
+        return 0;
+    }
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(body, w);
+    body(0);
+    for (auto& th : pool) th.join();
+    return 0;
+}
+
+template <typename R>
+int delta_forward(const R* q, const R* k, const R* v, const R* beta, const R* alpha, R* S, R* out, R* ck,
+                  int64_t BH, int64_t T, int64_t Dk, int64_t Dv, int64_t C, int gate, int n_threads) {
+    DeltaArgs<R> a{q, k, v, beta, alpha, S, out, ck, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                   BH, T, Dk, Dv, C, gate};
+    return run_heads(a, false, n_threads);
+}
+
+template <typename R>
+int delta_backward(const R* q, const R* k, const R* v, const R* beta, const R* alpha, const R* ck,
+                   const R* dout, R* dS, R* dq, R* dk, R* dv, R* dbeta, R* dlog, int64_t BH, int64_t T,
+                   int64_t Dk, int64_t Dv, int64_t C, int gate, int n_threads) {
+    DeltaArgs<R> a{q, k, v, beta, alpha, dS, nullptr, const_cast<R*>(ck), dout, dq, dk, dv, dbeta, dlog,
+                   BH, T, Dk, Dv, C, gate};
+    return run_heads(a, true, n_threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+#define LINATTN_DELTA(SUFFIX, R)                                                                              \
+    int linattn_delta_forward_##SUFFIX(const R* q, const R* k, const R* v, const R* beta, const R* alpha,     \
+                                       R* S, R* out, R* ck, int64_t BH, int64_t T, int64_t Dk, int64_t Dv,    \
+                                       int64_t C, int gate, int n_threads) {                                  \
+        return delta_forward<R>(q, k, v, beta, alpha, S, out, ck, BH, T, Dk, Dv, C, gate, n_threads);        \
+    }                                                                                                         \
+    int linattn_delta_backward_##SUFFIX(const R* q, const R* k, const R* v, const R* beta, const R* alpha,    \
+                                        const R* ck, const R* dout, R* dS, R* dq, R* dk, R* dv, R* dbeta,     \
+                                        R* dlog, int64_t BH, int64_t T, int64_t Dk, int64_t Dv, int64_t C,    \
+                                        int gate, int n_threads) {                                            \
+        return delta_backward<R>(q, k, v, beta, alpha, ck, dout, dS, dq, dk, dv, dbeta, dlog, BH, T, Dk, Dv,  \
+                                 C, gate, n_threads);                                                         \
+    }
+
+LINATTN_DELTA(f32, float)
+LINATTN_DELTA(f64, double)
+
+}  // extern "C"
