@@ -30,8 +30,15 @@ with ``g_d = −(g·y)/d`` (0 where ``eps`` replaced ``d``). Causality with non-
 by construction: a token enters the state only at its own position, and no masked product
 multiplies a later token by zero.
 
-Environment: ``LINATTN_CPU_KERNEL=1`` makes :func:`linattn.linear_attention` (``method="chunk"``,
-CPU, float32/float64) use this path; ``CXX`` names the compiler (default ``c++``);
+The same library holds a token loop of the delta rule and the gated delta rule
+(``cpu_delta.cpp``, :func:`delta_rule_cpu`): there the chunk form's extra work (the triangular
+solve, the ``C × C`` decays, a dozen passes over memory per chunk) is what a loop with the
+``Dk × Dv`` state in the L1 cache avoids; two passes over the state per token forward, four
+backward, from states kept every ``chunk_size`` tokens.
+
+Environment: ``LINATTN_CPU_KERNEL=1`` makes :func:`linattn.linear_attention`,
+:func:`linattn.delta_rule` and :func:`linattn.gated_delta_rule` (``method="chunk"``, CPU,
+float32/float64, and half inputs, which compute in float32) use this library; ``CXX`` names the compiler (default ``c++``);
 ``LINATTN_CACHE_DIR`` the folder for the built library (default ``~/.cache/linattn``).
 """
 from __future__ import annotations

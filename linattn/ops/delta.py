@@ -61,6 +61,11 @@ def delta_rule(
     ``W``, ``U`` and the chunk start states instead of recomputing them (``Ũ`` is not needed).
     For second derivatives (``create_graph=True``), ``torch.func`` transforms, forward-mode AD
     and ``torch.compile`` autograd differentiates the same equations op by op.
+    With ``LINATTN_CPU_KERNEL=1`` on the CPU, ``method="chunk"`` runs the recurrence as a compiled
+    loop instead (:func:`linattn.kernels.cpu.delta_rule_cpu`, built on first use where a C++
+    compiler exists; the results of ``method="recurrent"`` up to rounding): measured with
+    ``python -m linattn.bench --decay`` (``B=1, H=4, T=4096, D=64``, one thread, 21 rounds), its
+    forward+backward took 34.0 ms where the chunk form took 49.1 ms in a run without it.
 
     Parameters
     ----------
