@@ -151,7 +151,7 @@ void forward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
     }
 }
 
-template <typename R, int NVT>
+template <typename R, int NVT, int GATE>
 void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
     using V = typename Vec<R>::type;
     constexpr int L = Vec<R>::lanes;
@@ -159,19 +159,19 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
     const int64_t NV = NVT > 0 ? NVT : Dv / L;
     const int64_t off_k = h * T * Dk, off_v = h * T * Dv;
     const R *q = a.q + off_k, *k = a.k + off_k, *v = a.v + off_v, *beta = a.beta + h * T, *dout = a.dout + off_v;
-    const int64_t gw = a.gate == 2 ? Dk : 1;
-    const R* alpha = a.gate == 0 ? nullptr : a.alpha + h * T * gw;
+    const int64_t gw = GATE == 2 ? Dk : 1;
+    const R* alpha = GATE == 0 ? nullptr : a.alpha + h * T * gw;
     const R* ck = a.ck + h * N * M;
     R *dS = a.S + h * M, *dq = a.dq + off_k, *dk = a.dk + off_k, *dv = a.dv + off_v, *dbeta = a.dbeta + h * T;
-    R* dlog = a.gate == 0 ? nullptr : a.dlog + h * T * gw;
-    R *prev = work.data(), *U = prev + C * M, *Rr = U + C * Dv, *S = Rr + C * Dv, *dk1 = S + M;
+    R* dlog = GATE == 0 ? nullptr : a.dlog + h * T * gw;
+    R *prev = work.data(), *U = prev + C * M, *Rr = U + C * Dv, *S = Rr + C * Dv, *Pk = S + M;   // Pk: per row, the vector of dS u's partial sums
     V du[NVT > 0 ? NVT : MAXV], e[NVT > 0 ? NVT : MAXV], uu[NVT > 0 ? NVT : MAXV], g[NVT > 0 ? NVT : MAXV];
     for (int64_t n = N - 1; n >= 0; --n) {
         const int64_t t0 = n * C, t1 = t0 + C < T ? t0 + C : T;
         std::memcpy(S, ck + n * M, sizeof(R) * M);
         for (int64_t t = t0; t < t1; ++t) {                       // the block's states, again
             std::memcpy(prev + (t - t0) * M, S, sizeof(R) * M);
-            step<R, NVT>(a.gate, alpha, t, Dk, NV, k + t * Dk, v + t * Dv, beta[t], S, Rr + (t - t0) * Dv,
+            step<R, NVT>(GATE, alpha, t, Dk, NV, k + t * Dk, v + t * Dv, beta[t], S, Rr + (t - t0) * Dv,
                          U + (t - t0) * Dv, static_cast<const R*>(nullptr), static_cast<R*>(nullptr));
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
@@ -184,7 +184,7 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                 g[j] = vload<V>(dout + t * Dv + j * L);
             }
             for (int64_t i = 0; i < Dk; ++i) {                    // dS += q do^T; dq = S_t do; du = dS^T k; dS u
-                const R ai = gate_of(a.gate, alpha, t, Dk, i), ki = kt[i], qi = qt[i];
+                const R ai = gate_of(GATE, alpha, t, Dk, i), ki = kt[i], qi = qt[i];
                 const R* Spi = Sp + i * Dv;
                 R* dSi = dS + i * Dv;
                 V gq{}, gk{};
@@ -196,7 +196,7 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                     gk += d * uu[j];
                 }
                 dq[t * Dk + i] = hsum<R>(gq);
-                dk1[i] = hsum<R>(gk);
+                vstore(Pk + i * L, gk);                           // summed once, with pass B's part
             }
             V gb{};
             for (int64_t j = 0; j < NV; ++j) {
@@ -205,33 +205,34 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                 gb += du[j] * vload<V>(r + j * L);
             }
             dbeta[t] = hsum<R>(gb);
-            R g_head = R(0);
+            V g_head{};
             for (int64_t i = 0; i < Dk; ++i) {                    // dS' = dS - k e^T; dk; d log a; dS_{t-1}
-                const R ai = gate_of(a.gate, alpha, t, Dk, i), ki = kt[i];
+                const R ai = gate_of(GATE, alpha, t, Dk, i), ki = kt[i];
                 const R* Spi = Sp + i * Dv;
                 R* dSi = dS + i * Dv;
-                V gk{}, ga{};
+                V gk = vload<V>(Pk + i * L), ga{};
                 for (int64_t j = 0; j < NV; ++j) {
                     const V s = ai * vload<V>(Spi + j * L);
                     const V d = vload<V>(dSi + j * L) - ki * e[j];
-                    gk += s * e[j];
-                    ga += s * d;
+                    gk -= s * e[j];
+                    if (GATE != 0) ga += s * d;
                     vstore(dSi + j * L, ai * d);
                 }
-                dk[t * Dk + i] = dk1[i] - hsum<R>(gk);
-                const R la = hsum<R>(ga);
-                if (a.gate == 2) dlog[t * Dk + i] = la;
-                g_head += la;
+                dk[t * Dk + i] = hsum<R>(gk);
+                if (GATE == 2) dlog[t * Dk + i] = hsum<R>(ga);
+                if (GATE == 1) g_head += ga;
             }
-            if (a.gate == 1) dlog[t] = g_head;
+            if (GATE == 1) dlog[t] = hsum<R>(g_head);
         }
     }
 }
 
 template <typename R, int NVT>
 void one_head(const DeltaArgs<R>& a, bool backward, int64_t h, std::vector<R>& work) {
-    if (backward) backward_head<R, NVT>(a, h, work);
-    else forward_head<R, NVT>(a, h, work);
+    if (!backward) forward_head<R, NVT>(a, h, work);
+    else if (a.gate == 0) backward_head<R, NVT, 0>(a, h, work);
+    else if (a.gate == 1) backward_head<R, NVT, 1>(a, h, work);
+    else backward_head<R, NVT, 2>(a, h, work);
 }
 
 template <typename R>
@@ -241,7 +242,7 @@ int run_heads(const DeltaArgs<R>& a, bool backward, int n_threads) {
     if (a.Dv % L != 0 || a.Dv / L > MAXV) return 2;          // the caller pads Dv to whole vectors
     if (a.BH == 0 || a.T == 0) return 0;
     const int64_t M = a.Dk * a.Dv;
-    const size_t need = backward ? size_t(a.C * M + 2 * a.C * a.Dv + M + a.Dk) : size_t(2 * a.Dv);
+    const size_t need = backward ? size_t(a.C * M + 2 * a.C * a.Dv + M + a.Dk * L) : size_t(2 * a.Dv);
     const int64_t nv = a.Dv / L;
     int64_t workers = n_threads < 1 ? 1 : n_threads;
     if (workers > a.BH) workers = a.BH;
