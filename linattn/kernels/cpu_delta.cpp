@@ -98,7 +98,7 @@ inline R gate_of(int gate, const R* alpha, int64_t t, int64_t Dk, int64_t i) {
 template <typename R, int NVT>
 inline void step(int gate, const R* __restrict alpha, int64_t t, int64_t Dk, int64_t nv, const R* __restrict kt,
                  const R* __restrict vt, R b, R* __restrict S, R* __restrict r, R* __restrict u,
-                 const R* __restrict qt, R* __restrict o) {
+                 const R* __restrict qt, R* __restrict o, R* __restrict keep = nullptr) {
     using V = typename Vec<R>::type;
     constexpr int L = Vec<R>::lanes;
     const int64_t NV = NVT > 0 ? NVT : nv, Dv = NV * L;
@@ -110,6 +110,7 @@ inline void step(int gate, const R* __restrict alpha, int64_t t, int64_t Dk, int
         for (int64_t j = 0; j < NV; ++j) {
             const V s = ai * vload<V>(Si + j * L);
             vstore(Si + j * L, s);
+            if (keep != nullptr) vstore(keep + i * Dv + j * L, s);
             acc[j] += ki * s;
         }
     }
@@ -170,12 +171,12 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
         const int64_t t0 = n * C, t1 = t0 + C < T ? t0 + C : T;
         std::memcpy(S, ck + n * M, sizeof(R) * M);
         for (int64_t t = t0; t < t1; ++t) {                       // the block's states, again
-            std::memcpy(prev + (t - t0) * M, S, sizeof(R) * M);
             step<R, NVT>(GATE, alpha, t, Dk, NV, k + t * Dk, v + t * Dv, beta[t], S, Rr + (t - t0) * Dv,
-                         U + (t - t0) * Dv, static_cast<const R*>(nullptr), static_cast<R*>(nullptr));
+                         U + (t - t0) * Dv, static_cast<const R*>(nullptr), static_cast<R*>(nullptr),
+                         prev + (t - t0) * M);                    // keeps S' = diag(a_t) S_{t-1}
         }
         for (int64_t t = t1 - 1; t >= t0; --t) {
-            const R *Sp = prev + (t - t0) * M, *r = Rr + (t - t0) * Dv;
+            const R *Sp = prev + (t - t0) * M, *r = Rr + (t - t0) * Dv;   // Sp: S' of token t
             const R *kt = k + t * Dk, *qt = q + t * Dk;
             const R b = beta[t];
             for (int64_t j = 0; j < NV; ++j) {
@@ -184,14 +185,14 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                 g[j] = vload<V>(dout + t * Dv + j * L);
             }
             for (int64_t i = 0; i < Dk; ++i) {                    // dS += q do^T; dq = S_t do; du = dS^T k; dS u
-                const R ai = gate_of(GATE, alpha, t, Dk, i), ki = kt[i], qi = qt[i];
+                const R ki = kt[i], qi = qt[i];
                 const R* Spi = Sp + i * Dv;
                 R* dSi = dS + i * Dv;
                 V gq{}, gk{};
                 for (int64_t j = 0; j < NV; ++j) {
                     const V d = vload<V>(dSi + j * L) + qi * g[j];
                     vstore(dSi + j * L, d);
-                    gq += (ai * vload<V>(Spi + j * L) + ki * uu[j]) * g[j];
+                    gq += (vload<V>(Spi + j * L) + ki * uu[j]) * g[j];
                     du[j] += ki * d;
                     gk += d * uu[j];
                 }
@@ -212,7 +213,7 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                 R* dSi = dS + i * Dv;
                 V gk = vload<V>(Pk + i * L), ga{};
                 for (int64_t j = 0; j < NV; ++j) {
-                    const V s = ai * vload<V>(Spi + j * L);
+                    const V s = vload<V>(Spi + j * L);
                     const V d = vload<V>(dSi + j * L) - ki * e[j];
                     gk -= s * e[j];
                     if (GATE != 0) ga += s * d;
