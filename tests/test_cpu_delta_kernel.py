@@ -186,3 +186,15 @@ def test_inputs_are_not_modified_and_outputs_own_their_memory(calls):
     pointers = {x.data_ptr() for x in xs}
     assert all(t.data_ptr() not in pointers for t in (out, S, *grads))
     assert out.is_contiguous() and S.is_contiguous()
+
+
+@needs_kernel
+def test_a_chunk_size_beyond_T_costs_what_chunk_size_T_does(calls, monkeypatch):
+    """The backward pass keeps one block of states: a huge chunk_size must not size it (it did:
+    chunk_size=2_000_000 at T=8 asked for gigabytes and aborted the process)."""
+    xs = _inputs("head", 1, 2, 8, 64, 64, seed=7, dtype=torch.float32)
+    huge = _run(xs, "chunk", 2_000_000)
+    assert calls
+    exact = _run(xs, "chunk", 8)
+    for a, b in zip(huge, exact):
+        assert torch.equal(a, b)

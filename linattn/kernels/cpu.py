@@ -499,6 +499,8 @@ def delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_g: Optiona
     that must itself be differentiable recomputes the recurrence op by op.
     """
     gate = None if log_g is None else ("head" if log_g.shape[-1] == 1 else "channel")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     return _CpuDeltaRule.apply(q, k, v, beta, log_g, S0, int(chunk_size), gate)
 
 
@@ -512,6 +514,14 @@ def _delta_recurrent_ops(q, k, v, beta, log_g, S0):
     return _gated_delta_recurrent(q, k, v, log_g, beta, S0)
 
 
+def _check_status(status: int) -> None:
+    """A MemoryError for the delta kernel's status 3 (its buffers could not be allocated), else a RuntimeError."""
+    if status == 3:
+        raise MemoryError("linattn CPU kernel: its work buffers could not be allocated")
+    if status != 0:
+        raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+
+
 class _CpuDeltaRule(torch.autograd.Function):
     """Forward: one pass of the token loop (keeping the state every ``chunk_size`` tokens); backward: one."""
 
@@ -520,7 +530,7 @@ class _CpuDeltaRule(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, beta, log_g, S0)          # the inputs themselves (second derivatives)
         B, H, T, Dk = k.shape
         Dv = v.shape[-1]
-        C = chunk_size
+        C = max(1, min(chunk_size, T))           # a block longer than T holds T tokens (the backward's buffer)
         N = -(-T // C)
         q, k, beta = (x.contiguous() for x in (q, k, beta))
         v = _pad_to_vector(v)                    # Dv in whole vectors: zero columns, which stay zero
@@ -532,8 +542,7 @@ class _CpuDeltaRule(torch.autograd.Function):
         fn = getattr(_library(), f"linattn_delta_forward_{_DTYPES[v.dtype]}")
         status = fn(_ptr(q), _ptr(k), _ptr(v), _ptr(beta), _ptr(alpha), _ptr(S), _ptr(out), _ptr(ck), B * H, T, Dk,
                     Dp, C, _GATES[gate], torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+        _check_status(status)
         ctx.config, ctx.kept = (C, gate, Dv), (alpha, ck)
         if Dp != Dv:
             out, S = out[..., :Dv].contiguous(), S[..., :Dv].contiguous()
@@ -559,8 +568,7 @@ class _CpuDeltaRule(torch.autograd.Function):
         status = fn(_ptr(q), _ptr(k), _ptr(v), _ptr(beta), _ptr(alpha), _ptr(ck), _ptr(d_out), _ptr(dS), _ptr(dq),
                     _ptr(dk), _ptr(dv), _ptr(dbeta), _ptr(dlog), B * H, T, Dk, Dp, C, _GATES[gate],
                     torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+        _check_status(status)
         if Dp != Dv:
             dv, dS = dv[..., :Dv].contiguous(), dS[..., :Dv].contiguous()
         return dq, dk, dv, dbeta, dlog, dS, None, None

@@ -21,7 +21,9 @@
 // them, split by the compiler elsewhere; Dv is padded to whole vectors by the caller, with zero
 // columns that stay zero); no -ffast-math, so NaN and infinity propagate
 // as IEEE arithmetic says, and a token reaches only the outputs at and after it.
+#include <atomic>
 #include <cstdint>
+#include <new>
 #include <cstring>
 #include <type_traits>
 #include <thread>
@@ -247,8 +249,15 @@ int run_heads(const DeltaArgs<R>& a, bool backward, int n_threads) {
     const int64_t nv = a.Dv / L;
     int64_t workers = n_threads < 1 ? 1 : n_threads;
     if (workers > a.BH) workers = a.BH;
+    std::atomic<bool> failed{false};
     auto body = [&](int64_t first) {
-        std::vector<R> work(need);
+        std::vector<R> work;
+        try {
+            work.resize(need);
+        } catch (const std::bad_alloc&) {                     // no exception may leave a thread
+            failed = true;
+            return;
+        }
         for (int64_t h = first; h < a.BH; h += workers) {
             switch (nv) {                                     // the usual widths unrolled
                 case 1: one_head<R, 1>(a, backward, h, work); break;
@@ -261,13 +270,17 @@ int run_heads(const DeltaArgs<R>& a, bool backward, int n_threads) {
     };
     if (workers == 1) {
         body(0);
-        return 0;
+        return failed ? 3 : 0;
     }
     std::vector<std::thread> pool;
-    for (int64_t w = 1; w < workers; ++w) pool.emplace_back(body, w);
+    try {
+        for (int64_t w = 1; w < workers; ++w) pool.emplace_back(body, w);
+    } catch (const std::exception&) {                          // reported (status 3) once the started ones end
+        failed = true;
+    }
     body(0);
     for (auto& th : pool) th.join();
-    return 0;
+    return failed ? 3 : 0;
 }
 
 template <typename R>
