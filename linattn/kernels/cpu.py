@@ -68,6 +68,7 @@ __all__ = ["causal_linear_attention_cpu", "cpu_kernel_available", "cpu_kernel_en
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_causal.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("cpu_delta.cpp"))     # one library: linear attention, the delta rule
+_HEADERS = (_SOURCE.with_name("cpu_vector.h"),)                # included by both: part of the build's key
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC", "-pthread"]
 _NATIVE = ["-march=native"]
 _VECTOR_BYTES = 64
@@ -135,7 +136,7 @@ def _cache_dir() -> pathlib.Path:
 def _build(compiler: str, flags: list[str]) -> pathlib.Path:
     """Compile the source with ``flags`` into the cache (once per source, flags, compiler, CPU)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), " ".join(flags), version,
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES + _HEADERS), " ".join(flags), version,
                                     _machine_key()]).encode())
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)

@@ -25,25 +25,13 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_vector.h"
+
 namespace {
 
-template <typename T>
-struct Simd {
-    typedef T type __attribute__((vector_size(64)));
-    static constexpr int lanes = 64 / sizeof(T);
-};
-
-template <typename V, typename T>
-inline V load(const T* p) {
-    V v;
-    std::memcpy(&v, p, sizeof(V));
-    return v;
-}
-
-template <typename V, typename T>
-inline void store(T* p, const V& v) {
-    std::memcpy(p, &v, sizeof(V));
-}
+using linattn_simd::load;
+using linattn_simd::Simd;
+using linattn_simd::store;
 
 #if defined(__AVX512F__)
 constexpr int ROWS = 4;   // 4 rows × 2 vectors: 8 running sums + 8 block states in 32 registers

@@ -29,30 +29,15 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_vector.h"
+
 namespace {
 
 constexpr int MAXV = 16;   // vectors per row of the state at most (Dv <= 256 float32, <= 128 float64)
 
-template <typename R, int N>
-struct Half;
-
-template <typename R>
-struct Vec {
-    typedef R type __attribute__((vector_size(64)));
-    static constexpr int lanes = 64 / sizeof(R);
-};
-
-template <typename V, typename R>
-inline V vload(const R* p) {
-    V v;
-    std::memcpy(&v, p, sizeof(V));
-    return v;
-}
-
-template <typename V, typename R>
-inline void vstore(R* p, const V& v) {
-    std::memcpy(p, &v, sizeof(V));
-}
+using linattn_simd::load;
+using linattn_simd::Simd;
+using linattn_simd::store;
 
 // The sum of a vector's lanes as a tree of halves (a fixed order; about log2(lanes) adds, where
 // a lane-by-lane loop is a chain of `lanes` dependent adds).
@@ -101,8 +86,8 @@ template <typename R, int NVT>
 inline void step(int gate, const R* __restrict alpha, int64_t t, int64_t Dk, int64_t nv, const R* __restrict kt,
                  const R* __restrict vt, R b, R* __restrict S, R* __restrict r, R* __restrict u,
                  const R* __restrict qt, R* __restrict o, R* __restrict keep = nullptr) {
-    using V = typename Vec<R>::type;
-    constexpr int L = Vec<R>::lanes;
+    using V = typename Simd<R>::type;
+    constexpr int L = Simd<R>::lanes;
     const int64_t NV = NVT > 0 ? NVT : nv, Dv = NV * L;
     V acc[NVT > 0 ? NVT : MAXV], uu[NVT > 0 ? NVT : MAXV];
     for (int64_t j = 0; j < NV; ++j) acc[j] = V{};
@@ -110,17 +95,17 @@ inline void step(int gate, const R* __restrict alpha, int64_t t, int64_t Dk, int
         const R ai = gate_of(gate, alpha, t, Dk, i), ki = kt[i];
         R* Si = S + i * Dv;
         for (int64_t j = 0; j < NV; ++j) {
-            const V s = ai * vload<V>(Si + j * L);
-            vstore(Si + j * L, s);
-            if (keep != nullptr) vstore(keep + i * Dv + j * L, s);
+            const V s = ai * load<V>(Si + j * L);
+            store(Si + j * L, s);
+            if (keep != nullptr) store(keep + i * Dv + j * L, s);
             acc[j] += ki * s;
         }
     }
     for (int64_t j = 0; j < NV; ++j) {
-        const V rj = vload<V>(vt + j * L) - acc[j];
-        vstore(r + j * L, rj);
+        const V rj = load<V>(vt + j * L) - acc[j];
+        store(r + j * L, rj);
         uu[j] = b * rj;
-        vstore(u + j * L, uu[j]);
+        store(u + j * L, uu[j]);
         acc[j] = V{};
     }
     for (int64_t i = 0; i < Dk; ++i) {
@@ -129,21 +114,21 @@ inline void step(int gate, const R* __restrict alpha, int64_t t, int64_t Dk, int
         if (o != nullptr) {
             const R qi = qt[i];
             for (int64_t j = 0; j < NV; ++j) {
-                const V s = vload<V>(Si + j * L) + ki * uu[j];
-                vstore(Si + j * L, s);
+                const V s = load<V>(Si + j * L) + ki * uu[j];
+                store(Si + j * L, s);
                 acc[j] += qi * s;
             }
         } else {
-            for (int64_t j = 0; j < NV; ++j) vstore(Si + j * L, vload<V>(Si + j * L) + ki * uu[j]);
+            for (int64_t j = 0; j < NV; ++j) store(Si + j * L, load<V>(Si + j * L) + ki * uu[j]);
         }
     }
     if (o != nullptr)
-        for (int64_t j = 0; j < NV; ++j) vstore(o + j * L, acc[j]);
+        for (int64_t j = 0; j < NV; ++j) store(o + j * L, acc[j]);
 }
 
 template <typename R, int NVT>
 void forward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
-    const int64_t T = a.T, Dk = a.Dk, Dv = a.Dv, C = a.C, N = (T + C - 1) / C, nv = Dv / Vec<R>::lanes;
+    const int64_t T = a.T, Dk = a.Dk, Dv = a.Dv, C = a.C, N = (T + C - 1) / C, nv = Dv / Simd<R>::lanes;
     const R *q = a.q + h * T * Dk, *k = a.k + h * T * Dk, *v = a.v + h * T * Dv, *beta = a.beta + h * T;
     const R* alpha = a.gate == 0 ? nullptr : a.alpha + h * T * (a.gate == 1 ? 1 : Dk);
     R *S = a.S + h * Dk * Dv, *out = a.out + h * T * Dv, *ck = a.ck + h * N * Dk * Dv;
@@ -156,8 +141,8 @@ void forward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
 
 template <typename R, int NVT, int GATE>
 void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
-    using V = typename Vec<R>::type;
-    constexpr int L = Vec<R>::lanes;
+    using V = typename Simd<R>::type;
+    constexpr int L = Simd<R>::lanes;
     const int64_t T = a.T, Dk = a.Dk, Dv = a.Dv, C = a.C, N = (T + C - 1) / C, M = Dk * Dv;
     const int64_t NV = NVT > 0 ? NVT : Dv / L;
     const int64_t off_k = h * T * Dk, off_v = h * T * Dv;
@@ -183,8 +168,8 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
             const R b = beta[t];
             for (int64_t j = 0; j < NV; ++j) {
                 du[j] = V{};
-                uu[j] = vload<V>(U + (t - t0) * Dv + j * L);
-                g[j] = vload<V>(dout + t * Dv + j * L);
+                uu[j] = load<V>(U + (t - t0) * Dv + j * L);
+                g[j] = load<V>(dout + t * Dv + j * L);
             }
             for (int64_t i = 0; i < Dk; ++i) {                    // dS += q do^T; dq = S_t do; du = dS^T k; dS u
                 const R ki = kt[i], qi = qt[i];
@@ -192,20 +177,20 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                 R* dSi = dS + i * Dv;
                 V gq{}, gk{};
                 for (int64_t j = 0; j < NV; ++j) {
-                    const V d = vload<V>(dSi + j * L) + qi * g[j];
-                    vstore(dSi + j * L, d);
-                    gq += (vload<V>(Spi + j * L) + ki * uu[j]) * g[j];
+                    const V d = load<V>(dSi + j * L) + qi * g[j];
+                    store(dSi + j * L, d);
+                    gq += (load<V>(Spi + j * L) + ki * uu[j]) * g[j];
                     du[j] += ki * d;
                     gk += d * uu[j];
                 }
                 dq[t * Dk + i] = hsum<R>(gq);
-                vstore(Pk + i * L, gk);                           // summed once, with pass B's part
+                store(Pk + i * L, gk);                           // summed once, with pass B's part
             }
             V gb{};
             for (int64_t j = 0; j < NV; ++j) {
                 e[j] = b * du[j];
-                vstore(dv + t * Dv + j * L, e[j]);
-                gb += du[j] * vload<V>(r + j * L);
+                store(dv + t * Dv + j * L, e[j]);
+                gb += du[j] * load<V>(r + j * L);
             }
             dbeta[t] = hsum<R>(gb);
             V g_head{};
@@ -213,13 +198,13 @@ void backward_head(const DeltaArgs<R>& a, int64_t h, std::vector<R>& work) {
                 const R ai = gate_of(GATE, alpha, t, Dk, i), ki = kt[i];
                 const R* Spi = Sp + i * Dv;
                 R* dSi = dS + i * Dv;
-                V gk = vload<V>(Pk + i * L), ga{};
+                V gk = load<V>(Pk + i * L), ga{};
                 for (int64_t j = 0; j < NV; ++j) {
-                    const V s = vload<V>(Spi + j * L);
-                    const V d = vload<V>(dSi + j * L) - ki * e[j];
+                    const V s = load<V>(Spi + j * L);
+                    const V d = load<V>(dSi + j * L) - ki * e[j];
                     gk -= s * e[j];
                     if (GATE != 0) ga += s * d;
-                    vstore(dSi + j * L, ai * d);
+                    store(dSi + j * L, ai * d);
                 }
                 dk[t * Dk + i] = hsum<R>(gk);
                 if (GATE == 2) dlog[t * Dk + i] = hsum<R>(ga);
@@ -240,7 +225,7 @@ void one_head(const DeltaArgs<R>& a, bool backward, int64_t h, std::vector<R>& w
 
 template <typename R>
 int run_heads(const DeltaArgs<R>& a, bool backward, int n_threads) {
-    constexpr int L = Vec<R>::lanes;
+    constexpr int L = Simd<R>::lanes;
     if (a.BH < 0 || a.T < 0 || a.Dk < 1 || a.Dv < 1 || a.C < 1 || a.gate < 0 || a.gate > 2) return 1;
     if (a.Dv % L != 0 || a.Dv / L > MAXV) return 2;          // the caller pads Dv to whole vectors
     if (a.BH == 0 || a.T == 0) return 0;
