@@ -193,6 +193,24 @@ def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -
     raise ValueError(f"{name} must be {need}{got}")
 
 
+def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
+    """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`.
+
+    Eagerly one reduction decides (``aminmax``: a NaN makes both ends NaN, which fails both
+    comparisons); only a failing tensor pays for the elementwise mask that locates the offending
+    entry (``torch.isfinite`` alone is several passes: about 2 ms for 10⁶ float32 entries on
+    one core, against 0.2 ms for ``aminmax``).
+    """
+    if not torch.compiler.is_compiling():
+        with torch.no_grad():
+            x = unwrap(log_g)
+            if x.numel() > 0:
+                lo, hi = torch.aminmax(x)
+                if bool((hi <= 0) & (lo > -math.inf)):
+                    return
+    check_values(torch.isfinite(log_g) & (log_g <= 0), name, need, log_g)
+
+
 def reject_key_padding_mask(fn):
     """Refuse the old keyword ``key_padding_mask`` with an error that explains the rename.
 

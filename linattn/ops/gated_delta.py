@@ -155,8 +155,7 @@ def gated_delta_rule(
         check_like_q(log_g, "log_g", (B, H, T, Dk), "(batch, heads, seq) or (batch, heads, seq, key features)", q,
                      extra=mapped)
     check_like_q(beta, "beta", (B, H, T), "(batch, heads, seq)", q)
-    _checks.check_values(torch.isfinite(log_g) & (log_g <= 0), "log_g", "finite and <= 0 (α = exp(log_g) in (0, 1])",
-                         log_g)
+    _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (α = exp(log_g) in (0, 1])")
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
         per_channel = log_g.dim() == 4
