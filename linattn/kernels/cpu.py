@@ -34,10 +34,17 @@ The same library holds a token loop of the delta rule and the gated delta rule
 (``cpu_delta.cpp``, :func:`delta_rule_cpu`): there the chunk form's extra work (the triangular
 solve, the ``C × C`` decays, a dozen passes over memory per chunk) is what a loop with the
 ``Dk × Dv`` state in the L1 cache avoids; two passes over the state per token forward, four
-backward, from states kept every ``chunk_size`` tokens.
+backward, from states kept every ``chunk_size`` tokens. Without the delta correction the same
+loop runs retention and GLA (:func:`decay_cpu`): one pass per token forward, two backward.
+
+Threads: the heads are shared among ``torch.get_num_threads()`` threads, those of the OpenMP
+runtime PyTorch loaded where it is found (:func:`_torch_openmp`, ``cpu_parallel.h``): after a
+parallel PyTorch operation its threads spin for milliseconds, and threads of our own started
+meanwhile ran no faster on two cores than one.
 
 Environment: ``LINATTN_CPU_KERNEL=1`` makes :func:`linattn.linear_attention`,
-:func:`linattn.delta_rule` and :func:`linattn.gated_delta_rule` (``method="chunk"``, CPU,
+:func:`linattn.delta_rule`, :func:`linattn.gated_delta_rule`, :func:`linattn.retention` and
+:func:`linattn.gated_linear_attention` (``method="chunk"``, CPU,
 float32/float64, and half inputs, which compute in float32) use this library; ``CXX`` names the compiler (default ``c++``);
 ``LINATTN_CACHE_DIR`` the folder for the built library (default ``~/.cache/linattn``).
 """
@@ -68,7 +75,7 @@ __all__ = ["causal_linear_attention_cpu", "cpu_kernel_available", "cpu_kernel_en
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_causal.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("cpu_delta.cpp"))     # one library: linear attention, the delta rule
-_HEADERS = (_SOURCE.with_name("cpu_vector.h"),)                # included by both: part of the build's key
+_HEADERS = (_SOURCE.with_name("cpu_vector.h"), _SOURCE.with_name("cpu_parallel.h"))   # included by both: in the key
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC", "-pthread"]
 _NATIVE = ["-march=native"]
 _VECTOR_BYTES = 64
@@ -192,11 +199,52 @@ def _library():
                 bwd = getattr(lib, f"linattn_delta_backward_{suffix}")
                 bwd.restype = ctypes.c_int
                 bwd.argtypes = [p] * 13 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+                fwd = getattr(lib, f"linattn_decay_forward_{suffix}")
+                fwd.restype = ctypes.c_int
+                fwd.argtypes = [p] * 7 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+                bwd = getattr(lib, f"linattn_decay_backward_{suffix}")
+                bwd.restype = ctypes.c_int
+                bwd.argtypes = [p] * 11 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
             if lib.linattn_vector_bytes() != _VECTOR_BYTES:
                 lib, errors = None, ["library and module disagree on the vector length"]
+            else:
+                lib.linattn_set_openmp.restype = None
+                lib.linattn_set_openmp.argtypes = [p, p, p]
+                runtime = _torch_openmp()
+                lib.linattn_set_openmp(*(runtime or (None, None, None)))
+                _state["openmp"] = runtime is not None
         _state["error"] = "; ".join(errors) if lib is None else None
         _state["lib"] = lib
         return lib
+
+
+def _torch_openmp() -> Optional[tuple[int, int, int]]:
+    """``GOMP_parallel``, ``omp_get_thread_num``, ``omp_get_num_threads`` of the OpenMP runtime PyTorch loaded.
+
+    The kernels run their heads on that runtime's threads (see ``cpu_parallel.h``): after each
+    parallel PyTorch operation they spin for milliseconds, and threads of our own started meanwhile
+    shared their cores with them. Found in ``/proc/self/maps`` (Linux; libgomp, or Intel's and
+    LLVM's runtimes, which export the same entry points); None elsewhere, or if no such library is
+    loaded: the kernels then start threads of their own.
+    """
+    try:
+        maps = pathlib.Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    own = os.path.dirname(torch.__file__)
+    paths = sorted({line.split(None, 5)[-1].strip() for line in maps.splitlines() if len(line.split(None, 5)) == 6},
+                   key=lambda path: (not path.startswith(own), path))          # torch's own runtime first
+    for path in paths:
+        name = os.path.basename(path)
+        if not name.startswith(("libgomp", "libiomp5", "libomp")) or ".so" not in name:
+            continue
+        try:
+            omp = ctypes.CDLL(path)          # already loaded: the same handle, the same threads
+            fns = (omp.GOMP_parallel, omp.omp_get_thread_num, omp.omp_get_num_threads)
+        except (OSError, AttributeError):
+            continue
+        return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns)
+    return None
 
 
 def _ptr(t: Optional[Tensor]) -> Optional[int]:
@@ -227,8 +275,7 @@ def _pass(a: Tensor, b: Tensor, c: Tensor, X: Tensor, chunk_size: int, *, revers
     fn = getattr(_library(), f"linattn_causal_pass_{_DTYPES[a.dtype]}")
     status = fn(_ptr(a), _ptr(b), _ptr(c), _ptr(out), _ptr(X), _ptr(z), _ptr(den), _ptr(ok), eps, _ptr(ea),
                 _ptr(eb), _ptr(Xe), B * H, T, Da, Dc, chunk_size, int(reverse), torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+    _check_status(status)
     return out
 
 
@@ -462,7 +509,11 @@ _MAX_VECTORS = 16            # MAXV of cpu_delta.cpp
 
 
 def delta_kernel_usable(*tensors: Optional[Tensor]) -> bool:
-    """Whether the delta rule's ``method="chunk"`` should take this library's token loop here.
+    """Whether a decay-family ``method="chunk"`` should take this library's token loop here.
+
+    Used by :func:`linattn.delta_rule`, :func:`linattn.gated_delta_rule`, :func:`linattn.retention`
+    and :func:`linattn.gated_linear_attention`; ``tensors`` are ``(q, k, v, ...)``, their other
+    tensor arguments after (None allowed).
 
     ``LINATTN_CPU_KERNEL=1``, CPU float32/float64 tensors, plain autograd (not under
     ``torch.compile``, ``torch.func`` transforms or forward-mode AD, which see every op of the
@@ -502,7 +553,8 @@ def delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_g: Optiona
     gate = None if log_g is None else ("head" if log_g.shape[-1] == 1 else "channel")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    return _CpuDeltaRule.apply(q, k, v, beta, log_g, S0, int(chunk_size), gate)
+    keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, log_g, S0))
+    return _CpuDeltaRule.apply(q, k, v, beta, log_g, S0, int(chunk_size), gate, keep)
 
 
 def _delta_recurrent_ops(q, k, v, beta, log_g, S0):
@@ -516,9 +568,9 @@ def _delta_recurrent_ops(q, k, v, beta, log_g, S0):
 
 
 def _check_status(status: int) -> None:
-    """A MemoryError for the delta kernel's status 3 (its buffers could not be allocated), else a RuntimeError."""
+    """A MemoryError for a kernel's status 3 (its threads or buffers could not be allocated), else a RuntimeError."""
     if status == 3:
-        raise MemoryError("linattn CPU kernel: its work buffers could not be allocated")
+        raise MemoryError("linattn CPU kernel: its threads or work buffers could not be allocated")
     if status != 0:
         raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
 
@@ -527,7 +579,7 @@ class _CpuDeltaRule(torch.autograd.Function):
     """Forward: one pass of the token loop (keeping the state every ``chunk_size`` tokens); backward: one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, log_g, S0, chunk_size: int, gate: Optional[str]):
+    def forward(ctx, q, k, v, beta, log_g, S0, chunk_size: int, gate: Optional[str], keep: bool):
         ctx.save_for_backward(q, k, v, beta, log_g, S0)          # the inputs themselves (second derivatives)
         B, H, T, Dk = k.shape
         Dv = v.shape[-1]
@@ -539,7 +591,7 @@ class _CpuDeltaRule(torch.autograd.Function):
         alpha = None if log_g is None else log_g.exp().contiguous()
         S = _pad_to_vector(S0).clone() if Dp != Dv else S0.clone(memory_format=torch.contiguous_format)
         out = v.new_empty(B, H, T, Dp)
-        ck = v.new_empty(B, H, N, Dk, Dp)
+        ck = v.new_empty(B, H, N, Dk, Dp) if keep else None     # the states the backward pass starts from
         fn = getattr(_library(), f"linattn_delta_forward_{_DTYPES[v.dtype]}")
         status = fn(_ptr(q), _ptr(k), _ptr(v), _ptr(beta), _ptr(alpha), _ptr(S), _ptr(out), _ptr(ck), B * H, T, Dk,
                     Dp, C, _GATES[gate], torch.get_num_threads())
@@ -555,7 +607,7 @@ class _CpuDeltaRule(torch.autograd.Function):
         (C, gate, Dv), (alpha, ck) = ctx.config, ctx.kept
         if torch.is_grad_enabled():          # create_graph=True: autograd differentiates the recurrence op by op
             return (*differentiable_backward(_delta_recurrent_ops, (q, k, v, beta, log_g, S0), d_out, d_S),
-                    None, None)
+                    None, None, None)
         q, k, beta = (x.contiguous() for x in (q, k, beta))
         v = _pad_to_vector(v)
         B, H, T, Dk = k.shape
@@ -572,4 +624,89 @@ class _CpuDeltaRule(torch.autograd.Function):
         _check_status(status)
         if Dp != Dv:
             dv, dS = dv[..., :Dv].contiguous(), dS[..., :Dv].contiguous()
-        return dq, dk, dv, dbeta, dlog, dS, None, None
+        return dq, dk, dv, dbeta, dlog, dS, None, None, None
+
+
+# --------------------------------------------------------------------------- retention and GLA, token by token
+
+
+def decay_cpu(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, S0: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Causal linear attention with a decaying state, token by token in this library: ``(out, S_final)``.
+
+    ``S_t = diag(α_t) S_{t−1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``: retention (Sun et al., 2023,
+    arXiv:2307.08621, sec. 2.1) with ``α_t = γ`` (one gate per head) and gated linear attention
+    (Yang et al., 2024, arXiv:2312.06635, sec. 4) with ``α_t = exp(log_g_t)`` (one per key
+    channel). The compiled twin of their ``method="chunk"``, called when
+    :func:`delta_kernel_usable` says so; private, its inputs are checked by those functions.
+    ``q``, ``k`` ``(B, H, T, Dk)``, ``v`` ``(B, H, T, Dv)``, ``alpha`` ``(B, H, T)`` (one gate
+    per head) or ``(B, H, T, Dk)`` (per key channel) in ``[0, 1]``, ``S0`` ``(B, H, Dk, Dv)``, all
+    CPU float32 or all float64. ``alpha`` is differentiable: compute it from ``γ`` or ``log_g``
+    with PyTorch ops and autograd carries the gradient back. The state stays in the L1 cache: one
+    pass over it per token forward, two backward (the block's states recomputed from a copy kept
+    every ``chunk_size`` tokens: ``(B, H, ⌈T/C⌉, Dk, Dv)`` kept for the backward pass). A backward
+    pass that must itself be differentiable recomputes the recurrence op by op.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if alpha.shape not in (k.shape[:3], k.shape):
+        raise ValueError(f"alpha must have shape {shape_str(k.shape[:3])} or {shape_str(k.shape)}, "
+                         f"got {shape_str(alpha.shape)}")
+    keep = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, alpha, S0))
+    return _CpuDecay.apply(q, k, v, alpha, S0, int(chunk_size), keep)
+
+
+def _decay_recurrent_ops(q, k, v, alpha, S0):
+    """``S_t = diag(α_t) S_{t−1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t`` op by op (for second derivatives)."""
+    a = alpha if alpha.dim() == 4 else alpha.unsqueeze(-1)
+    S, outs = S0, []
+    for t in range(k.shape[2]):
+        S = torch.addcmul(a[:, :, t].unsqueeze(-1) * S, k[:, :, t].unsqueeze(-1), v[:, :, t].unsqueeze(-2))
+        outs.append((q[:, :, t].unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(outs, dim=2), S
+
+
+class _CpuDecay(torch.autograd.Function):
+    """Forward: one pass of the token loop (keeping the state every ``chunk_size`` tokens); backward: one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, S0, chunk_size: int, keep: bool):
+        ctx.save_for_backward(q, k, v, alpha, S0)
+        B, H, T, Dk = k.shape
+        Dv = v.shape[-1]
+        C = max(1, min(chunk_size, T))
+        N = -(-T // C)
+        q, k, alpha = (x.contiguous() for x in (q, k, alpha))
+        v = _pad_to_vector(v)
+        Dp = v.shape[-1]
+        S = _pad_to_vector(S0).clone() if Dp != Dv else S0.clone(memory_format=torch.contiguous_format)
+        out = v.new_empty(B, H, T, Dp)
+        ck = v.new_empty(B, H, N, Dk, Dp) if keep else None     # the states the backward pass starts from
+        gate = 1 if alpha.dim() == 3 else 2
+        fn = getattr(_library(), f"linattn_decay_forward_{_DTYPES[v.dtype]}")
+        _check_status(fn(_ptr(q), _ptr(k), _ptr(v), _ptr(alpha), _ptr(S), _ptr(out), _ptr(ck), B * H, T, Dk, Dp, C,
+                         gate, torch.get_num_threads()))
+        ctx.config, ctx.kept = (C, gate, Dv), ck
+        if Dp != Dv:
+            out, S = out[..., :Dv].contiguous(), S[..., :Dv].contiguous()
+        return out, S
+
+    @staticmethod
+    def backward(ctx, d_out, d_S):
+        q, k, v, alpha, S0 = ctx.saved_tensors
+        (C, gate, Dv), ck = ctx.config, ctx.kept
+        if torch.is_grad_enabled():          # create_graph=True: autograd differentiates the recurrence op by op
+            return (*differentiable_backward(_decay_recurrent_ops, (q, k, v, alpha, S0), d_out, d_S), None, None)
+        q, k, alpha = (x.contiguous() for x in (q, k, alpha))
+        v = _pad_to_vector(v)
+        B, H, T, Dk = k.shape
+        Dp = v.shape[-1]
+        d_out = _pad_to_vector(d_out.to(v.dtype))
+        dS = _pad_to_vector(d_S.to(v.dtype))                                 # in: dS_final; out: dS0
+        dS = dS.clone() if dS is d_S else dS
+        dq, dk, dv, dalpha = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(alpha)
+        fn = getattr(_library(), f"linattn_decay_backward_{_DTYPES[v.dtype]}")
+        _check_status(fn(_ptr(q), _ptr(k), _ptr(v), _ptr(alpha), _ptr(ck), _ptr(d_out), _ptr(dS), _ptr(dq), _ptr(dk),
+                         _ptr(dv), _ptr(dalpha), B * H, T, Dk, Dp, C, gate, torch.get_num_threads()))
+        if Dp != Dv:
+            dv, dS = dv[..., :Dv].contiguous(), dS[..., :Dv].contiguous()
+        return dq, dk, dv, dalpha, dS, None, None

@@ -22,9 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_vector.h"
 
 namespace {
@@ -177,12 +177,8 @@ int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t*
         for (int64_t h = 0; h < BH; ++h) work(h);
         return 0;
     }
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < nt; ++w)
-        pool.emplace_back([&, w] { for (int64_t h = w; h < BH; h += nt) work(h); });
-    for (int64_t h = 0; h < BH; h += nt) work(h);
-    for (auto& th : pool) th.join();
-    return 0;
+    auto body = [&](int64_t w) { for (int64_t h = w; h < BH; h += nt) work(h); };
+    return linattn_parallel::run_workers(nt, body) ? 0 : 3;
 }
 
 }  // namespace
@@ -190,7 +186,7 @@ int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t*
 extern "C" {
 
 // Returns 0 on success, 1 if Dc is not a multiple of the vector length (the caller pads), 2 if
-// the extra row Xe comes without its per-token numbers ea, eb.
+// the extra row Xe comes without its per-token numbers ea, eb, 3 if a thread could not be started.
 int linattn_causal_pass_f32(const float* a, const float* b, const float* c, float* out, float* X, float* z,
                             float* den, uint8_t* ok, float eps, const float* ea, const float* eb, float* Xe,
                             int64_t BH, int64_t T, int64_t Da, int64_t Dc, int64_t C, int rev, int threads) {
@@ -215,5 +211,15 @@ void linattn_elu_grad_f64(double* g, const double* phi, int64_t n) {
 }
 
 int linattn_vector_bytes() { return 64; }
+
+// The OpenMP runtime to run the heads on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of
+// the one PyTorch loaded; see cpu_parallel.h), or three nulls: std::threads of our own.
+void linattn_set_openmp(void* parallel, void* thread_num, void* num_threads) {
+    auto& omp = linattn_parallel::openmp();
+    const bool all = parallel != nullptr && thread_num != nullptr && num_threads != nullptr;
+    omp.parallel = all ? reinterpret_cast<linattn_parallel::ParallelFn>(parallel) : nullptr;
+    omp.thread_num = all ? reinterpret_cast<linattn_parallel::IntFn>(thread_num) : nullptr;
+    omp.num_threads = all ? reinterpret_cast<linattn_parallel::IntFn>(num_threads) : nullptr;
+}
 
 }  // extern "C"

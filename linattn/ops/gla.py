@@ -100,8 +100,7 @@ def gated_linear_attention(
     B, H, T, Dk = p.k.shape
     mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
     check_like_q(log_g, "log_g", (B, H, T, Dk), "(batch, heads, seq, key features)", q, extra=mapped)
-    _checks.check_values(torch.isfinite(log_g) & (log_g <= 0), "log_g", "finite and <= 0 (g = exp(log_g) in (0, 1])",
-                         log_g)
+    _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (g = exp(log_g) in (0, 1])")
     with no_autocast(q.device):
         log_g = log_g.to(p.acc)
         out, S = run(p, lambda: _gla_recurrent(p.q, p.k, p.v, log_g, p.S0),
@@ -129,8 +128,13 @@ def _gla_chunk(q, k, v, log_g, S0, chunk_size):
     and ``log_g = 0`` (no decay), so they change nothing. Per chunk: ``O = A V + (Q ⊙
     from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``, with ``A`` the decayed causal scores.
     """
+    from ..kernels import cpu
+
     B, H, T, Dk = k.shape
     log_g = log_g.clamp(min=LOG_G_FLOOR)                               # see LOG_G_FLOOR
+    if cpu.delta_kernel_usable(q, k, v, log_g, S0):                  # LINATTN_CPU_KERNEL=1: the compiled loop
+        alpha = log_g.exp_()                                           # in place: clamp's output is our own
+        return cpu.decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
     C, N = num_chunks(T, chunk_size)
     Cp = padded_chunk(C)
 

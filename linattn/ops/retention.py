@@ -163,7 +163,12 @@ def _retention_chunk(q, k, v, gamma, S0, chunk_size):
     ``γ = 1e-45``) or amplify the rounding of ``γ^m`` (as the chain rule through ``log γ``
     would: ``∂γ^m/∂γ = m γ^m · (1/γ)``).
     """
+    from ..kernels import cpu
+
     B, H, T, Dk = k.shape
+    if cpu.delta_kernel_usable(q, k, v, gamma, S0):                  # LINATTN_CPU_KERNEL=1: the compiled loop
+        alpha = gamma.view(1, H, 1).expand(B, H, T)                   # autograd sums its gradient into gamma
+        return cpu.decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
     C, N = num_chunks(T, chunk_size)
     qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
     dev, acc = q.device, q.dtype
