@@ -66,7 +66,10 @@ def gated_linear_attention(
     token), the decays from and to the chunk's ends and the chunk start states
     (``B·H·(T/C)·Dk·Dv``) and recomputes each level's products. For second derivatives
     (``create_graph=True``), ``torch.func`` transforms, forward-mode AD and ``torch.compile``,
-    autograd differentiates the same equations op by op.
+    autograd differentiates the same equations op by op. With ``LINATTN_CPU_KERNEL=1`` on the CPU
+    (float32/float64), ``method="chunk"`` runs the recurrence as a compiled loop instead
+    (:func:`linattn.kernels.cpu.decay_cpu`; see :func:`retention`): in the run described in
+    :func:`linattn.delta_rule`, forward+backward took 28.1 ms where the chunk form took 47.7 ms.
 
     Parameters
     ----------

@@ -43,6 +43,12 @@ def retention(
     normalize=False)``. RetNet itself uses ``φ = identity`` (``feature_map=None``, the
     default) and a different ``γ`` in each head.
 
+    With ``LINATTN_CPU_KERNEL=1`` on the CPU (float32/float64), ``method="chunk"`` runs the
+    recurrence as a compiled loop instead (:func:`linattn.kernels.cpu.decay_cpu`, built on first
+    use where a C++ compiler exists; the results of ``method="recurrent"`` up to rounding): in the
+    run described in :func:`linattn.delta_rule`, its forward+backward took 23.8 ms where the chunk
+    form took 37.4 ms.
+
     Parameters
     ----------
     q, k : Tensor
