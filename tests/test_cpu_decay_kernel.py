@@ -281,3 +281,34 @@ def test_log_gate_check_finds_every_bad_entry():
         with pytest.raises(ValueError, match=r"log_g must be finite and <= 0 .*index \(0, 0, 4, 1\)"):
             linattn.gated_delta_rule(q, q, q, log_g, torch.ones(1, 1, 6))
     linattn.gated_linear_attention(q, q, q, torch.zeros(1, 1, 6, 2))   # 0 (no decay) is allowed
+
+
+def _retention_in_child(q, expected, queue):
+    queue.put(torch.equal(linattn.retention(q, q, q, 0.9, chunk_size=16), expected))
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork() here")
+def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(monkeypatch):
+    """OpenMP's threads do not survive fork(): after the parent ran the kernels on them, a forked
+    child must not wait for them (it did, for ever), but start threads of its own."""
+    import multiprocessing
+
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q = torch.randn(1, 4, 64, 16, generator=torch.Generator().manual_seed(9))
+        expected = linattn.retention(q, q, q, 0.9, chunk_size=16)       # the parent's OpenMP threads start
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_retention_in_child, args=(q, expected, queue))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive, "the forked child hung in the kernel"
+        assert child.exitcode == 0 and queue.get(timeout=5)
+    finally:
+        torch.set_num_threads(threads)

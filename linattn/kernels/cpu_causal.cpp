@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <pthread.h>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -215,6 +216,10 @@ int linattn_vector_bytes() { return 64; }
 // The OpenMP runtime to run the heads on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of
 // the one PyTorch loaded; see cpu_parallel.h), or three nulls: std::threads of our own.
 void linattn_set_openmp(void* parallel, void* thread_num, void* num_threads) {
+    // libgomp's threads do not survive fork(): a child that used them would wait for ever (as
+    // PyTorch's own parallel operations do there), so a forked child starts threads of its own.
+    static const int registered = pthread_atfork(nullptr, nullptr, [] { linattn_parallel::openmp() = {}; });
+    (void)registered;
     auto& omp = linattn_parallel::openmp();
     const bool all = parallel != nullptr && thread_num != nullptr && num_threads != nullptr;
     omp.parallel = all ? reinterpret_cast<linattn_parallel::ParallelFn>(parallel) : nullptr;
