@@ -17,6 +17,7 @@ from .positions import apply_rope
 from .layers import (DecodingState, KVCache, LinearAttention, LinearMultiheadAttention, SoftmaxAttention,
                      TransformerBlock, TransformerConfig, TransformerLM)
 from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
+from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 
 __version__ = "0.1.0"
 

@@ -312,3 +312,37 @@ def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(monkeypatch):
         assert child.exitcode == 0 and queue.get(timeout=5)
     finally:
         torch.set_num_threads(threads)
+
+
+_FIRST_LOAD_IN_CHILD = """
+import os, sys, time
+os.environ["LINATTN_CPU_KERNEL"] = "1"
+import torch
+import linattn
+torch.set_num_threads(2)
+torch.exp(torch.randn(4_000_000))         # the parent's OpenMP threads start; the kernels are not loaded
+pid = os.fork()
+if pid == 0:
+    q = torch.randn(1, 2, 8, 4)
+    linattn.retention(q, q, q, 0.9)       # the first call loads the library in the child
+    os._exit(0)
+for _ in range(300):
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.1)
+os.kill(pid, 9)
+sys.exit(7)
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork() here")
+def test_a_forked_child_that_loads_the_kernels_first_starts_threads_of_its_own():
+    """The child of a parent that ran a parallel PyTorch operation but never the kernels: its first
+    call loads the library, which must not take the parent's OpenMP threads (it hung, exit 7 here)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FIRST_LOAD_IN_CHILD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])

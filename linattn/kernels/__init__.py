@@ -23,6 +23,22 @@ import torch
 
 __all__ = ["triton_available", "chunk_linear_attention_triton", "causal_linear_attention_cpu"]
 
+# The compiled CPU kernels run on PyTorch's OpenMP threads, which do not survive fork(): a forked
+# child that loaded them would wait for the parent's threads for ever. ``import linattn`` imports
+# this package, so the mark is set in every child forked after it; linattn.kernels.cpu then starts
+# threads of its own there (a library loaded before the fork is switched by its pthread_atfork
+# handler instead).
+_forked = False
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
+
 
 def triton_available() -> bool:
     """Whether the Triton kernels can run here.

@@ -210,7 +210,8 @@ def _library():
             else:
                 lib.linattn_set_openmp.restype = None
                 lib.linattn_set_openmp.argtypes = [p, p, p]
-                runtime = _torch_openmp()
+                from . import _forked                   # a forked child: threads of our own
+                runtime = None if _forked else _torch_openmp()
                 lib.linattn_set_openmp(*(runtime or (None, None, None)))
                 _state["openmp"] = runtime is not None
         _state["error"] = "; ".join(errors) if lib is None else None
