@@ -252,3 +252,37 @@ def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path):
     assert cpu.cpu_kernel_available() is False
     assert "broken" in cpu.build_info()["error"]
     assert not list((tmp_path / "cache").glob("*.so"))                       # no half-written library
+
+
+@needs_kernel
+def test_a_cached_library_that_does_not_load_is_rebuilt(tmp_path):
+    """A cached .so that exists but fails to load (a truncated copy, a full disk) is built afresh, with
+    the same flags, instead of falling back to another build or to the PyTorch path on every run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LINATTN_CACHE_DIR": str(tmp_path / "cache")}
+    probe = ("import json, torch; from linattn.kernels import cpu; ok = cpu.cpu_kernel_available(); "
+             "q = torch.rand(1, 2, 30, 8, generator=torch.Generator().manual_seed(0)); "
+             "y = cpu.causal_linear_attention_cpu(q, q, q)[0] if ok else None; "
+             "print(json.dumps({'ok': ok, 'flags': cpu.build_info().get('flags'), "
+             "'y': None if y is None else y.double().sum().item()}))")
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["ok"]
+    built = sorted((tmp_path / "cache").glob("*.so"))
+    assert built
+    for path in built:                                   # a new file in its place (never write over a mapped one)
+        path.unlink()
+        path.write_bytes(b"not a shared library")
+    second = run()
+    assert second["ok"] and second["flags"] == first["flags"]
+    assert second["y"] == first["y"]
+    assert all(path.read_bytes()[:4] == b"\x7fELF" for path in built)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from ..utils import default_device
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS, method_fn, unavailable
 from .costs import forward_flops, predict_memory
-from .timing import cpu_name, interleaved_times, matmul_gflops, paired_ratios, peak_memory, pinned_threads, summarise
+from .timing import cpu_name, interleaved_times, paired_ratios, peak_memory, pinned_threads, summarise
 
 __all__ = ["DTYPES", "DEFAULT_SEQ_LENS", "run_benchmark", "DECAY_VARIANTS", "DEFAULT_DECAY_SEQ_LENS",
            "run_decay_benchmark"]

@@ -179,7 +179,12 @@ def _library():
         else:
             for flags in (_BASE_FLAGS + _NATIVE, _BASE_FLAGS):
                 try:
-                    lib = ctypes.CDLL(str(_build(compiler, flags)))
+                    path = _build(compiler, flags)
+                    try:
+                        lib = ctypes.CDLL(str(path))
+                    except OSError:              # a cached file that does not load (truncated, corrupt): once more
+                        path.unlink(missing_ok=True)
+                        lib = ctypes.CDLL(str(_build(compiler, flags)))
                     break
                 except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                     errors.append(f"{' '.join(flags)}: {err}")
