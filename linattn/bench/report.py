@@ -121,7 +121,8 @@ def format_table(results: Sequence[dict], reference: Optional[str] = "chunk") ->
              f"B={first['batch']} H={first['heads']} D=Dv={first['head_dim']}, C={first['chunk_size']}; "
              f"float32 matmul: {_num(sorted(mm)[len(mm) // 2]) if mm else '-'} GFLOP/s (±{50 * spread:.0f}%)")
     legend = ["fwd: median under torch.no_grad; fwd+bwd: autograd.grad w.r.t. q, k, v; ±: half the range of the "
-              f"repetitions over the median (! above {100 * NOISY:.0f}%: noisy); peak: {first['memory_pass']}.",
+              f"repetitions over the median (!: the whole range passes {100 * NOISY:.0f}% of it, noisy); "
+              f"peak: {first['memory_pass']}.",
               "% matmul: useful forward FLOPs (sdpa, quadratic: causal T² terms; linear methods: chunkwise "
               "matmuls) / fwd time, of the float32 matmul timed in the same rounds."]
     if has_ref:
