@@ -279,10 +279,47 @@ def test_a_cached_library_that_does_not_load_is_rebuilt(tmp_path):
     assert first["ok"]
     built = sorted((tmp_path / "cache").glob("*.so"))
     assert built
-    for path in built:                                   # a new file in its place (never write over a mapped one)
-        path.unlink()
-        path.write_bytes(b"not a shared library")
-    second = run()
-    assert second["ok"] and second["flags"] == first["flags"]
-    assert second["y"] == first["y"]
-    assert all(path.read_bytes()[:4] == b"\x7fELF" for path in built)
+    whole = {path: path.read_bytes() for path in built}
+    for damage in (lambda b: b"not a shared library", lambda b: b[:len(b) // 3]):   # garbage; truncated (SIGBUS)
+        for path in built:                               # a new file in its place (never write over a mapped one)
+            path.unlink()
+            path.write_bytes(damage(whole[path]))
+        again = run()
+        assert again["ok"] and again["flags"] == first["flags"]
+        assert again["y"] == first["y"]
+        assert all(path.read_bytes()[:4] == b"\x7fELF" for path in built)
+
+
+@needs_kernel
+def test_a_chunk_size_beyond_the_sequence_is_the_sequence(monkeypatch):
+    """chunk_size near 2⁶³ overflowed the kernel's block count (no block ran: uninitialised output)."""
+    import sys
+
+    q, k, v = _qkv(1, 2, 9, 4, 5, dtype=torch.float64)
+    fq, fk = (x.detach() for x in _features(q, k))
+    v = v.detach()
+    ref = ref_linear_attention(fq, fk, v, feature_map=None, causal=True)[0]
+    for C in (9, 10**6, 2**62, sys.maxsize, 2**63, 2**70):
+        out = cpu.causal_linear_attention_cpu(fq, fk, v, chunk_size=C)[0]
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    out = linattn.linear_attention(fq, fk, v, causal=True, feature_map=None, chunk_size=sys.maxsize)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@needs_kernel
+def test_the_direct_entry_point_checks_the_state_normalize_and_eps():
+    q, k, v = _qkv(1, 1, 6, 4, 4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="S0 must be on the CPU, got meta"):
+        cpu.causal_linear_attention_cpu(q, k, v, S0=torch.zeros(1, 1, 4, 4, device="meta"))
+    with pytest.raises(ValueError, match="z0 must be on the CPU, got meta"):
+        cpu.causal_linear_attention_cpu(q, k, v, z0=torch.zeros(1, 1, 4, device="meta"))
+    with pytest.raises(TypeError, match="z0 must be a floating-point tensor"):
+        cpu.causal_linear_attention_cpu(q, k, v, z0=torch.zeros(1, 1, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="S0"):
+        cpu.causal_linear_attention_cpu(q, k, v, S0=[[0.0]])
+    with pytest.raises(TypeError, match="normalize must be a bool"):
+        cpu.causal_linear_attention_cpu(q, k, v, normalize="no")
+    for eps in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps"):
+            cpu.causal_linear_attention_cpu(q, k, v, eps=eps)

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._checks import check_tensor, shape_str
+from .._checks import check_bool, check_eps, check_tensor, shape_str
 from .._numerics import no_autocast
 from ..ops._common import differentiable_backward
 from ..ops.linear import _NO_SECOND_DERIVATIVE
@@ -148,21 +148,84 @@ def _build(compiler: str, flags: list[str]) -> pathlib.Path:
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"linattn_cpu_{key.hexdigest()[:16]}.so"
-    if not target.exists():
+    if not _intact(target):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
+        digest = tmp + ".sha256"
         try:
             proc = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr.strip()[-2000:] or f"{compiler} exited with {proc.returncode}")
+            pathlib.Path(digest).write_text(_sha256(pathlib.Path(tmp)))
             os.replace(tmp, target)          # atomic: another process may be building the same file
+            os.replace(digest, _digest_path(target))
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for leftover in (tmp, digest):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
     _state["info"] = {"compiler": version.splitlines()[0] if version else compiler, "flags": flags,
                       "path": str(target)}
     return target
+
+
+def _sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_path(target: pathlib.Path) -> pathlib.Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _intact(target: pathlib.Path) -> bool:
+    """Whether ``target`` is the file its build wrote: a truncated or altered library must never be
+    loaded, since mapping a file shorter than its ELF headers say kills the process (SIGBUS)."""
+    try:
+        return target.is_file() and _digest_path(target).read_text().strip() == _sha256(target)
+    except OSError:
+        return False
+
+
+def _declare(lib) -> None:
+    """Give the library's functions their C signatures (AttributeError: a symbol is missing)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+        fn = getattr(lib, f"linattn_causal_pass_{suffix}")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [p, p, p, p, p, p, p, p, real, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+        grad = getattr(lib, f"linattn_elu_grad_{suffix}")
+        grad.restype = None
+        grad.argtypes = [p, p, i64]
+        fwd = getattr(lib, f"linattn_delta_forward_{suffix}")
+        fwd.restype = ctypes.c_int
+        fwd.argtypes = [p] * 8 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+        bwd = getattr(lib, f"linattn_delta_backward_{suffix}")
+        bwd.restype = ctypes.c_int
+        bwd.argtypes = [p] * 13 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+        fwd = getattr(lib, f"linattn_decay_forward_{suffix}")
+        fwd.restype = ctypes.c_int
+        fwd.argtypes = [p] * 7 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+        bwd = getattr(lib, f"linattn_decay_backward_{suffix}")
+        bwd.restype = ctypes.c_int
+        bwd.argtypes = [p] * 11 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
+    lib.linattn_vector_bytes.restype = ctypes.c_int
+    lib.linattn_set_openmp.restype = None
+    lib.linattn_set_openmp.argtypes = [p, p, p]
+
+
+def _open(compiler: str, flags: list[str]):
+    """Build (or find in the cache) and load the library; a cached file that does not load is rebuilt once."""
+    for attempt in (0, 1):
+        path = _build(compiler, flags)
+        try:
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            return lib
+        except (OSError, AttributeError):
+            if attempt:
+                raise
+            for stale in (path, _digest_path(path)):    # never written over: another process may have it mapped
+                stale.unlink(missing_ok=True)
 
 
 def _library():
@@ -175,46 +238,20 @@ def _library():
         lib, errors = None, []
         compiler = _compiler()
         if compiler is None:
-            errors.append("no C++ compiler found (set CXX)")
+            cxx = os.environ.get("CXX")
+            errors.append(f"CXX={cxx!r} names no C++ compiler executable (one program, without flags)" if cxx
+                          else "no C++ compiler found (set CXX)")
         else:
             for flags in (_BASE_FLAGS + _NATIVE, _BASE_FLAGS):
                 try:
-                    path = _build(compiler, flags)
-                    try:
-                        lib = ctypes.CDLL(str(path))
-                    except OSError:              # a cached file that does not load (truncated, corrupt): once more
-                        path.unlink(missing_ok=True)
-                        lib = ctypes.CDLL(str(_build(compiler, flags)))
+                    lib = _open(compiler, flags)
                     break
-                except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
                     errors.append(f"{' '.join(flags)}: {err}")
         if lib is not None:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
-                fn = getattr(lib, f"linattn_causal_pass_{suffix}")
-                fn.restype = ctypes.c_int
-                fn.argtypes = [p, p, p, p, p, p, p, p, real, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int,
-                               ctypes.c_int]
-                grad = getattr(lib, f"linattn_elu_grad_{suffix}")
-                grad.restype = None
-                grad.argtypes = [p, p, i64]
-                fwd = getattr(lib, f"linattn_delta_forward_{suffix}")
-                fwd.restype = ctypes.c_int
-                fwd.argtypes = [p] * 8 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-                bwd = getattr(lib, f"linattn_delta_backward_{suffix}")
-                bwd.restype = ctypes.c_int
-                bwd.argtypes = [p] * 13 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-                fwd = getattr(lib, f"linattn_decay_forward_{suffix}")
-                fwd.restype = ctypes.c_int
-                fwd.argtypes = [p] * 7 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-                bwd = getattr(lib, f"linattn_decay_backward_{suffix}")
-                bwd.restype = ctypes.c_int
-                bwd.argtypes = [p] * 11 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
             if lib.linattn_vector_bytes() != _VECTOR_BYTES:
                 lib, errors = None, ["library and module disagree on the vector length"]
             else:
-                lib.linattn_set_openmp.restype = None
-                lib.linattn_set_openmp.argtypes = [p, p, p]
                 from . import _forked                   # a forked child: threads of our own
                 runtime = None if _forked else _torch_openmp()
                 lib.linattn_set_openmp(*(runtime or (None, None, None)))
@@ -276,6 +313,7 @@ def _pass(a: Tensor, b: Tensor, c: Tensor, X: Tensor, chunk_size: int, *, revers
     """
     B, H, T, Da = a.shape
     Dc = c.shape[-1]
+    chunk_size = max(1, min(chunk_size, T))     # a block longer than T holds T tokens (C near 2⁶³ overflowed)
     out = torch.empty(B, H, T, Dc, dtype=a.dtype)
     ea, eb, Xe = extra if extra is not None else (None, None, None)
     fn = getattr(_library(), f"linattn_causal_pass_{_DTYPES[a.dtype]}")
@@ -471,7 +509,9 @@ def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opt
     RuntimeError
         If the kernel is not available here (:func:`cpu_kernel_available`; :func:`build_info` says why).
     TypeError, ValueError
-        Inputs that are not CPU float32/float64 tensors of matching shapes.
+        Inputs that are not CPU float32/float64 tensors of matching shapes (``S0``, ``z0``:
+        floating-point CPU tensors of the shapes above); ``normalize`` not a bool; ``eps`` not a
+        positive number representable in the inputs' dtype; ``chunk_size`` not an int ``>= 1``.
     """
     layout = "(batch, heads, seq, dim)"
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
@@ -486,8 +526,17 @@ def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opt
                          f"{shape_str(phi_k.shape)} and {shape_str(v.shape)}")
     B, H, _, M = phi_k.shape
     for name, x, shape in (("S0", S0, (B, H, M, v.shape[-1])), ("z0", z0, (B, H, M))):
-        if x is not None and tuple(x.shape) != shape:
+        if x is None:
+            continue
+        check_tensor(x, name, len(shape), "(batch, heads, M, Dv)" if name == "S0" else "(batch, heads, M)")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {x.device}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape_str(shape)}, got {shape_str(x.shape)}")
+    normalize = check_bool(normalize, "normalize")
+    eps = check_eps(eps, phi_q.dtype)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if feature_map not in (None, "elu+1"):
