@@ -128,6 +128,10 @@ def test_baselines_keep_half_dtype_and_reject_bad_input(fn):
     ["--max-memory-gb", "lots"],
     ["--device", "tpu"],
     ["--json", "/no/such/folder/out.json"],
+    ["--json", ""],
+    ["--json", "/tmp"],
+    ["--plot", "out.txt"],
+    ["--seed", "99999999999999999999"],
     ["--frobnicate"],
 ])
 def test_bad_flags_give_a_clean_argparse_error(argv, capsys):
@@ -228,6 +232,10 @@ def test_forward_flops_share_one_count_per_problem():
     (dict(repeats=0), ValueError),
     (dict(max_memory_gb=0), ValueError),
     (dict(device="meta"), ValueError),
+    (dict(methods="chunk"), TypeError),
+    (dict(seed=1.5), TypeError),
+    (dict(seed=-1), ValueError),
+    (dict(seed=2**63), ValueError),
 ])
 def test_run_benchmark_rejects_bad_arguments(kwargs, error):
     args = dict(methods=["chunk"], seq_lens=[8], **TINY)
@@ -585,3 +593,22 @@ def test_decay_table_with_coinciding_chunk_sizes_and_without_backward():
 def test_decay_chunk_size_of_the_wrong_type_names_what_it_needs(bad):
     with pytest.raises(TypeError, match="chunk_size must be a positive int or a non-empty list or tuple"):
         bench.run_decay_benchmark([8], chunk_size=bad)
+
+
+def test_a_chunk_size_beyond_t_is_costed_as_the_block_the_methods_run():
+    """FLOPs and the memory estimate use min(C, T): C=4096 at T=32 was credited with 4096-token blocks
+    (a forward share of the matmul rate above 500 %, and cells skipped for 10³⁰ GB)."""
+    rows = bench.run_benchmark(["chunk"], [32], device="cpu", heads=2, head_dim=8, repeats=1, chunk_size=4096,
+                               max_memory_gb=1.0)
+    (row,) = rows
+    assert row["status"] == "ok" and row["chunk_size"] == 4096
+    assert row["fwd_flops"] == bench.forward_flops("chunk", 32, batch=1, heads=2, head_dim=8, chunk_size=32)
+    assert row["predicted_memory_bytes"] == bench.predict_memory("chunk", 32, batch=1, heads=2, head_dim=8,
+                                                                 chunk_size=32)
+
+
+def test_duplicate_sequence_lengths_are_measured_once():
+    """Two rows of one (method, T) shared their ratio columns (cells are keyed by method and T)."""
+    rows = bench.run_benchmark(["chunk", "cumsum"], [16, 16, 32], device="cpu", heads=1, head_dim=4, repeats=1)
+    assert [(r["method"], r["seq_len"]) for r in rows] == [("chunk", 16), ("cumsum", 16), ("chunk", 32),
+                                                           ("cumsum", 32)]

@@ -39,6 +39,14 @@ _non_negative_int = _arg_number(int, 0, False, "a non-negative integer")
 _positive_float = _arg_number(float, 0.0, True, "a positive number")
 
 
+def _seed(text: str) -> int:
+    """An argparse ``type``: a seed torch.Generator takes, 0 <= seed < 2⁶³."""
+    value = _non_negative_int(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected a seed below 2**63, got {text!r}")
+    return value
+
+
 def _gate_temperature(text: str) -> float:
     """An argparse ``type``: a finite number of at least ``MIN_GATE_TEMPERATURE``."""
     value = _positive_float(text)
@@ -80,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-memory-gb", type=_positive_float, default=None, metavar="GB",
         help="skip a cell whose predicted peak memory exceeds this; inf: no limit (default: half the "
              "device's memory)")
-    add("--seed", type=_non_negative_int, default=0, help="seed of the random inputs (default: %(default)s)")
+    add("--seed", type=_seed, default=0, help="seed of the random inputs (default: %(default)s)")
     add("--json", metavar="PATH", help="write metadata and raw results (every repetition) as JSON")
     add("--plot", metavar="PATH", help="save a PNG of time and memory against T (matplotlib)")
     add("--threads", type=_positive_int, default=None, metavar="N",
@@ -127,8 +135,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available on this machine")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        if path is None:
+            continue
+        if not path or path.endswith(os.sep) or os.path.isdir(path):
+            parser.error(f"{flag} needs a file name, got {path!r}")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"{flag}: the folder of {path!r} does not exist")
+        if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"{flag}: the folder of {path!r} is not writable")
+    if args.plot is not None and os.path.splitext(args.plot)[1].lower() not in ("", ".png"):
+        parser.error(f"--plot saves a PNG: give a name ending in .png (or none), got {args.plot!r}")
+    if args.plot is not None and not os.path.splitext(args.plot)[1]:
+        args.plot += ".png"                          # what matplotlib writes: say so, and write it
     if args.plot is not None:
         try:
             import matplotlib  # noqa: F401  (only checked here: imported when plotting)

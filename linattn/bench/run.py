@@ -66,7 +66,7 @@ def run_benchmark(
     methods : sequence of str
         Names from :data:`linattn.bench.METHODS` (duplicates dropped), in this order.
     seq_lens : sequence of int
-        Sequence lengths ``T``.
+        Sequence lengths ``T`` (duplicates dropped).
     device : torch.device or str, optional
         Default: CUDA when available, else CPU.
     dtype : torch.dtype or str
@@ -81,7 +81,8 @@ def run_benchmark(
         Memory guard in GB (10⁹ bytes); None means half of the device's memory (CPU: the
         machine's RAM), ``math.inf`` means no guard.
     chunk_size : int
-        ``C`` of the chunkwise methods and of their FLOP count.
+        ``C`` of the chunkwise methods; their FLOP count and memory estimate use ``min(C, T)``,
+        the longest block they run.
     seed : int
         Seed of the inputs.
     matmul_size : int
@@ -111,10 +112,13 @@ def run_benchmark(
     Raises
     ------
     TypeError, ValueError
-        Unknown methods or dtypes; non-positive sizes; ``repeats < 1``; ``warmup < 0``;
-        a non-positive ``max_memory_gb``; CUDA requested but not available; a peer that is
-        not callable or reuses a method's name.
+        Unknown methods or dtypes (``methods`` a single string); non-positive sizes;
+        ``repeats < 1``; ``warmup < 0``; a ``seed`` outside ``[0, 2**63)``; a non-positive
+        ``max_memory_gb``; CUDA requested but not available; a peer that is not callable or
+        reuses a method's name.
     """
+    if isinstance(methods, str):
+        raise TypeError(f"methods must be a sequence of method names, got the string {methods!r} (use [{methods!r}])")
     device = _resolve_device(device)
     dtype = _resolve_dtype(dtype)
     methods = list(dict.fromkeys(methods))
@@ -126,13 +130,14 @@ def run_benchmark(
             raise ValueError(f"peers must map new names to callables (q, k, v) -> out, got {name!r}: {fn!r}")
     if not methods and not peers:
         raise ValueError("methods must name at least one method")
-    seq_lens = [_check_positive_int(T, "seq_lens entries") for T in seq_lens]
+    seq_lens = list(dict.fromkeys(_check_positive_int(T, "seq_lens entries") for T in seq_lens))  # duplicates dropped
     if not seq_lens:
         raise ValueError("seq_lens must hold at least one sequence length")
     for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"),
                         (repeats, "repeats"), (chunk_size, "chunk_size"), (matmul_size, "matmul_size")):
         _check_positive_int(value, name)
     _check_warmup(warmup)
+    _check_seed(seed)
     if threads is not None:
         _check_positive_int(threads, "threads")
     max_bytes = _memory_limit(max_memory_gb, device)
@@ -153,13 +158,14 @@ def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeat
         rows, fwd, fwd_bwd = {}, {}, {}
         for name in names:
             counted = name if name in METHODS else "chunk"
+            costed = {**shape, "chunk_size": min(chunk_size, T)}   # what the chunk forms run: a block holds T at most
             row = dict(method=name, seq_len=T, **shape, dtype=_dtype_name(dtype), device=str(device),
                        device_name=_device_name(device), threads=torch.get_num_threads(), status="ok", note="",
                        fwd_s=None, fwd_bwd_s=None, fwd_times=[], fwd_bwd_times=[], fwd_spread=None,
                        fwd_bwd_spread=None, peak_memory_bytes=None, memory_pass="fwd+bwd" if backward else "fwd",
-                       predicted_memory_bytes=predict_memory(counted, T, dtype=dtype, **shape),
+                       predicted_memory_bytes=predict_memory(counted, T, dtype=dtype, **costed),
                        max_memory_bytes=None if math.isinf(max_bytes) else int(max_bytes),
-                       fwd_flops=forward_flops(counted, T, **shape), fwd_gflops=None, matmul_gflops=None,
+                       fwd_flops=forward_flops(counted, T, **costed), fwd_gflops=None, matmul_gflops=None,
                        matmul_spread=None, matmul_fraction=None)
             rows[name] = row
             why_not = None if name in peers else unavailable(name, device, chunk_size, dtype)
@@ -272,6 +278,13 @@ def _check_positive_int(value, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
 
 
 def _check_warmup(warmup) -> None:
@@ -451,7 +464,7 @@ def run_decay_benchmark(
     for variant in variants:
         if variant not in DECAY_VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; expected one of {', '.join(DECAY_VARIANTS)}")
-    seq_lens = [_check_positive_int(T, "seq_lens entries") for T in seq_lens]
+    seq_lens = list(dict.fromkeys(_check_positive_int(T, "seq_lens entries") for T in seq_lens))  # duplicates dropped
     if not seq_lens:
         raise ValueError("seq_lens must hold at least one sequence length")
     for value, name in ((batch, "batch"), (heads, "heads"), (head_dim, "head_dim"), (repeats, "repeats")):
@@ -469,6 +482,7 @@ def run_decay_benchmark(
     if not isinstance(recurrent, bool):
         raise TypeError(f"recurrent must be a bool, got {type(recurrent).__name__}")
     _check_warmup(warmup)
+    _check_seed(seed)
     if threads is not None:
         _check_positive_int(threads, "threads")
     with pinned_threads(threads):
