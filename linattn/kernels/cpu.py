@@ -11,10 +11,11 @@ Why a compiled path on the CPU. The chunkwise form (chapter 5) does about twice 
 the token recurrence (``4·M·Dv`` per token: update the state, read it), in batched matrix
 products of ``64×64`` blocks that PyTorch's BLAS runs well below its large-matrix rate, plus
 the passes over memory between them. A loop over tokens in C++ with the ``M×Dv`` state in the
-cache does half the FLOPs (this one, with its two-level sums, about 0.6), but a naive one (fast-transformers' CPU kernel) runs far below the
-machine's rate too: every token loads and stores the whole state. Here each tile of the state
-(a few rows × 32 float32 columns) stays in vector registers while a block of tokens streams
-through it, so the inner loop is two fused multiply-adds per loaded number.
+cache does half the FLOPs (this one, with its two-level sums, about 0.6), but a naive one
+(fast-transformers' CPU kernel) runs far below the machine's rate too: every token loads and
+stores the whole state. Here each tile of the state (a few rows × 32 float32 columns) stays in
+vector registers while a block of tokens streams through it, so the inner loop is two fused
+multiply-adds per loaded number.
 
 One pass computes, per head, ``out_t = a_tᵀ X_t`` with ``X_t = X_init + Σ_{s<=t} b_s c_sᵀ``
 (``s >= t`` for a reverse pass) and returns the final ``X``; the state is summed in two levels,
@@ -188,27 +189,20 @@ def _intact(target: pathlib.Path) -> bool:
 
 def _declare(lib) -> None:
     """Give the library's functions their C signatures (AttributeError: a symbol is missing)."""
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
-        fn = getattr(lib, f"linattn_causal_pass_{suffix}")
-        fn.restype = ctypes.c_int
-        fn.argtypes = [p, p, p, p, p, p, p, p, real, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        grad = getattr(lib, f"linattn_elu_grad_{suffix}")
-        grad.restype = None
-        grad.argtypes = [p, p, i64]
-        fwd = getattr(lib, f"linattn_delta_forward_{suffix}")
-        fwd.restype = ctypes.c_int
-        fwd.argtypes = [p] * 8 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-        bwd = getattr(lib, f"linattn_delta_backward_{suffix}")
-        bwd.restype = ctypes.c_int
-        bwd.argtypes = [p] * 13 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-        fwd = getattr(lib, f"linattn_decay_forward_{suffix}")
-        fwd.restype = ctypes.c_int
-        fwd.argtypes = [p] * 7 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-        bwd = getattr(lib, f"linattn_decay_backward_{suffix}")
-        bwd.restype = ctypes.c_int
-        bwd.argtypes = [p] * 11 + [i64] * 5 + [ctypes.c_int, ctypes.c_int]
-    lib.linattn_vector_bytes.restype = ctypes.c_int
+        signatures = {                   # name: (result, arguments); the last two ints: a flag and the threads
+            "causal_pass": (c_int, [p] * 8 + [real] + [p] * 3 + [i64] * 5 + [c_int, c_int]),
+            "elu_grad": (None, [p, p, i64]),
+            "delta_forward": (c_int, [p] * 8 + [i64] * 5 + [c_int, c_int]),
+            "delta_backward": (c_int, [p] * 13 + [i64] * 5 + [c_int, c_int]),
+            "decay_forward": (c_int, [p] * 7 + [i64] * 5 + [c_int, c_int]),
+            "decay_backward": (c_int, [p] * 11 + [i64] * 5 + [c_int, c_int]),
+        }
+        for name, (result, arguments) in signatures.items():
+            fn = getattr(lib, f"linattn_{name}_{suffix}")
+            fn.restype, fn.argtypes = result, arguments
+    lib.linattn_vector_bytes.restype = c_int
     lib.linattn_set_openmp.restype = None
     lib.linattn_set_openmp.argtypes = [p, p, p]
 
