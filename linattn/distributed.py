@@ -1308,7 +1308,9 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
         One per case: the case's settings, ``world_size``, ``seconds`` (median over the
         repeats of the slowest rank's time, in seconds) and ``bytes_sent`` and
         ``handshake_bytes`` (lists, one int per rank: bytes of one call, all operations /
-        the check of shapes and options only, as :class:`ByteCounter` counts them).
+        the check of shapes and options only, as :class:`ByteCounter` counts them) and
+        ``input_seeds`` (list, one int per rank: the seed of the generator that drew that
+        rank's q, k, v, ``1000 * case index + rank``).
 
     Raises
     ------
@@ -1362,7 +1364,8 @@ def _measure_worker(cases: list[dict]) -> list[dict]:
         parts = [torch.empty_like(counts) for _ in range(world)]
         dist.all_gather(parts, counts)
         records.append({**case, "world_size": world, "seconds": statistics.median(times),
-                        "bytes_sent": [int(p[0]) for p in parts], "handshake_bytes": [int(p[1]) for p in parts]})
+                        "bytes_sent": [int(p[0]) for p in parts], "handshake_bytes": [int(p[1]) for p in parts],
+                        "input_seeds": [1000 * i + r for r in range(world)]})
     return records
 
 

@@ -18,7 +18,8 @@ normalised, elu+1, float32, B=1, H=8, D=Dv=64), interleaved round by round::
 built with ``-march=native`` by default, as ``chunk_cpu`` is, so that the two loops differ in
 their algorithm, not in the vector instructions the compiler may use (``--peer-flags`` to change
 it). Needs a C++ compiler with OpenMP. The results file records the peer's commit, compiler and
-flags, ``chunk_cpu``'s build, the machine, its load before and after, and linattn's commit.
+flags, ``chunk_cpu``'s build, the machine, its load before and after, linattn's commit and the
+seed of the inputs (``--seed``, default 0).
 """
 from __future__ import annotations
 
@@ -125,12 +126,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--seed", type=int, default=0, help="seed of the benchmark's inputs (q, k, v, the upstream gradient)")
     p.add_argument("--peer-flags", nargs="+", default=PEER_FLAGS, help="compiler flags of the peer")
     p.add_argument("--build-dir", type=pathlib.Path, default=None, help="default: a temporary folder")
     p.add_argument("--out", type=pathlib.Path, required=True, help="the results file (JSON)")
     a = p.parse_args(argv)
     if min(a.threads) < 1 or min(a.seq_lens) < 1 or a.repeats < 1:
         p.error("--threads, --seq-lens and --repeats take positive integers")
+    if not 0 <= a.seed < 2 ** 63:
+        p.error(f"--seed must be in [0, 2**63), got {a.seed}")
     if not cpu.cpu_kernel_available():
         p.error(f"chunk_cpu is not available here ({cpu.build_info().get('error')})")
     text, commit = peer_source(a.ft_source)
@@ -147,7 +151,8 @@ def main(argv=None) -> int:
     for n in a.threads:
         for T in a.seq_lens:
             rows += bench.run_benchmark(METHODS, [T], device="cpu", batch=1, heads=8, head_dim=64,
-                                        repeats=a.repeats, threads=n, peers={"fast_transformers": peer})
+                                        repeats=a.repeats, threads=n, seed=a.seed,
+                                        peers={"fast_transformers": peer})
             print(f"{n} thread(s), T={T}: done after {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     doc = {
         "study": "ft_side_by_side",
@@ -156,7 +161,8 @@ def main(argv=None) -> int:
                         "causal, normalised, elu+1, float32, B=1, H=8, D=Dv=64"),
         "command": ("python scripts/ft_side_by_side.py --ft-source PATH/TO/fast-transformers --threads "
                     f"{' '.join(map(str, a.threads))} --seq-lens {' '.join(map(str, a.seq_lens))} "
-                    f"--repeats {a.repeats} --out FILE"),
+                    f"--repeats {a.repeats} --seed {a.seed} --out FILE"),
+        "seeds": {"inputs": a.seed, "peer_check": 0},
         "peer": {"repository": "idiap/fast-transformers", "commit": commit, "file": PEER_FILE,
                  "compiler": compiler[0] if compiler else "unknown", "cflags": a.peer_flags,
                  "ldflags": ["-fopenmp"], "build": "torch.utils.cpp_extension.load",

@@ -10,6 +10,8 @@ def test_short_cell_times_all_three_and_counts_their_bytes():
     assert out["bytes_alone"] == {"allgather": [s, s], "ring": [s, 0], "scan": [s, 0]}
     assert all(len(v) == 1 and v[0] > 0 for v in out["seconds_pass"].values())
     assert len(out["load_before"]) == 3
+    # the seeds of every rank's q, k, v: one list per timed case (3 exchanges x 2 kinds of call)
+    assert out["input_seeds"]["per_case"] == [[1000 * i, 1000 * i + 1] for i in range(6)]
 
 
 def test_summary_counts_the_blocks_each_exchange_wins():

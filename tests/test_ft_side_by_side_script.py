@@ -5,6 +5,7 @@ same two functions, written with torch operations, checks what the harness adds 
 autograd wrapper, elu+1 and the cumsum normaliser, against linattn's float64 quadratic form.
 """
 import importlib.util
+import json
 import pathlib
 import types
 
@@ -68,3 +69,24 @@ def test_the_command_line_refuses_bad_sizes(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--ft-source", str(tmp_path), "--repeats", "0", "--out", str(tmp_path / "x.json")])
     assert "positive integers" in capsys.readouterr().err
+
+
+def test_the_results_file_records_the_seed_of_the_inputs(script, tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run_benchmark(methods, seq_lens, **kwargs):
+        seen.setdefault("seeds", []).append(kwargs["seed"])
+        return []
+
+    monkeypatch.setattr(script, "peer_source", lambda source: ("// the peer", "abc1234"))
+    monkeypatch.setattr(script, "build_peer", lambda text, flags, build_dir: _stand_in())
+    monkeypatch.setattr(script.cpu, "cpu_kernel_available", lambda: True)
+    monkeypatch.setattr(script.bench, "run_benchmark", fake_run_benchmark)
+    out = tmp_path / "side.json"
+    assert script.main(["--ft-source", str(tmp_path), "--threads", "1", "--seq-lens", "64",
+                        "--repeats", "1", "--seed", "7", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert seen["seeds"] == [7]
+    assert doc["seeds"] == {"inputs": 7, "peer_check": 0} and "--seed 7" in doc["command"]
+    with pytest.raises(SystemExit):
+        script.main(["--ft-source", str(tmp_path), "--seed", "-1", "--out", str(out)])

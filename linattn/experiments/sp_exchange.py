@@ -7,8 +7,8 @@ spell of a shared machine hits all three alike: the exchange of the state alone 
 ``B = 1``, ``H = 2``, ``D = Dv = 16``, float32; 25 calls per block) and a whole forward plus
 backward pass at ``T = 16384`` (5 calls per block). A call's time is the slowest rank's; a
 block's time is the median of its calls. The bytes each rank sends (deterministic) come with
-them, and the load average of the machine before and after, since the timings depend on what
-else runs. The first cell is a short one, for a notebook to re-run.
+them, the load average of the machine before and after, since the timings depend on what
+else runs, and the seeds of every rank's inputs. The first cell is a short one, for a notebook to re-run.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def run_cell(cell: dict) -> dict:
                        repeats=cell["repeats_pass"], block=b) for ex in EXCHANGES]
     load_before = [round(x, 2) for x in os.getloadavg()]
     records = lad.measure_sequence_parallel(cell["P"], cases, timeout=600)
-    out = {"load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]}
+    out = {"load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()],
+           "input_seeds": {"rule": "1000 * case index + rank", "per_case": [r["input_seeds"] for r in records]}}
     for what, comm in (("alone", True), ("pass", False)):
         rows = [r for r in records if r["communication_only"] == comm]
         out[f"seconds_{what}"] = {ex: [r["seconds"] for r in rows if r["state_exchange"] == ex] for ex in EXCHANGES}
