@@ -279,6 +279,32 @@ def test_device_regex_self_check():
     assert not DEVICE_RE.search("speed-up 4.1x at T = 4096 (chunk vs sdpa)")
 
 
+def _appendix_notebooks() -> set[pathlib.Path]:
+    """The notebooks listed under an appendix part of _toc.yml (a caption with "Appendix"/"Appendices")."""
+    toc = yaml.safe_load(TOC.read_text(encoding="utf-8"))
+    found = set()
+    for part in toc.get("parts", []):
+        if re.search(r"appendi", part.get("caption", ""), re.I):
+            stack = list(part.get("chapters", []))
+            while stack:
+                entry = stack.pop()
+                path = _resolve(entry["file"]) if entry.get("file") else None
+                if path is not None and path.suffix == ".ipynb":
+                    found.add(path)
+                stack.extend(entry.get("sections", []))
+    return found
+
+
+# '# 11. Title' for a chapter, '# A. Title' for an appendix.
+TITLE_RE = re.compile(r"#\s+(?:(?P<number>\d+)|(?P<letter>[A-Z]))\.\s+\S")
+
+
+def test_title_regex_self_check():
+    assert TITLE_RE.match("# 11. Performance").group("number") == "11"
+    assert TITLE_RE.match("# A. Inside linattn on the CPU").group("letter") == "A"
+    assert not TITLE_RE.match("# Performance") and not TITLE_RE.match("# AB. Title")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
 def test_chapter_opens_with_goals_and_prerequisites(path):
     cells = _load(path)["cells"]
@@ -286,7 +312,12 @@ def test_chapter_opens_with_goals_and_prerequisites(path):
         f"{_rel(path)}: the cell after the Colab cell is not the chapter's opening text"
     )
     text = _source(cells[1])
-    assert re.match(r"#\s+\d+\.\s+\S", text), f"{_rel(path)}: the opening cell does not start with '# N. Title'"
+    title = TITLE_RE.match(text)
+    assert title, f"{_rel(path)}: the opening cell does not start with '# N. Title' (or '# A. Title' for an appendix)"
+    if path in _appendix_notebooks():
+        assert title.group("letter"), f"{_rel(path)}: an appendix opens with '# A. Title' (a letter), not a number"
+    else:
+        assert title.group("number"), f"{_rel(path)}: a chapter opens with '# N. Title' (a number); a letter is for appendices"
     goals = re.search(r"\*\*Learning goals\*\*:?\s*\n((?:\s*\n)*(?:[-*]\s+.+\n?)+)", text)
     assert goals, f"{_rel(path)}: no '**Learning goals**' followed by a bullet list in the opening cell"
     assert re.search(r"\*\*Prerequisites\*?\*?:?", text), f"{_rel(path)}: no '**Prerequisites**' in the opening cell"
@@ -294,7 +325,10 @@ def test_chapter_opens_with_goals_and_prerequisites(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
 def test_chapter_ends_with_summary_and_exercises(path):
-    """The last sections are a summary and then exercises, whose solutions are collapsed code cells."""
+    """The last sections are a summary and then exercises, whose solutions are collapsed code cells.
+
+    An appendix (measurements in full, no new material to practise) may end with its summary and
+    leave the exercises out; if it has exercises, they follow the same rules as a chapter's."""
     cells = _load(path)["cells"]
     marks = []  # (cell index, position, section), in reading order
     for i, cell in enumerate(cells):
@@ -304,6 +338,10 @@ def test_chapter_ends_with_summary_and_exercises(path):
         marks += [(i, m.start(), m.group(1)) for m in LEVEL2_RE.finditer(text)]
         marks += [(i, m.start(), "Summary") for m in SUMMARY_BOX_RE.finditer(text)]
     names = [name for _, _, name in sorted(marks)]
+    if path in _appendix_notebooks() and "Exercises" not in names:
+        assert names[-1:] == ["Summary"], (
+            f"{_rel(path)}: an appendix without exercises ends with its summary; its last section is {names[-1:]}")
+        return
     assert names[-2:] == ["Summary", "Exercises"], (
         f"{_rel(path)}: the last sections are {names[-2:]}, not ['Summary', 'Exercises'] "
         "(a '## Summary' heading or a Summary admonition, then '## Exercises')"
