@@ -105,6 +105,13 @@ def type_name(x) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+def describe(x) -> str:
+    """A value as an error message names it: a tensor by dtype and shape, anything else by type."""
+    if isinstance(x, Tensor):
+        return f"a {x.dtype} tensor of shape {shape_str(x.shape)}"
+    return type(x).__name__
+
+
 def check_bool(x, name: str) -> bool:
     """``x`` is a Python or NumPy bool; returns it as a Python bool."""
     if isinstance(x, bool):

@@ -12,6 +12,7 @@
   inputs whose non-finite entries are replaced by 0, then set to NaN exactly the outputs (and
   state entries) that depend on a non-finite input.
 - :func:`compiling`: whether ``torch.compile`` is tracing the caller.
+- :data:`LOG_G_FLOOR`: the floor of every log-gate the gated chunk forms use.
 """
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ import torch
 from torch import Tensor
 
 __all__ = ["no_autocast", "masked_matmul", "compiling", "all_finite", "host_all", "unwrap", "guarded_normaliser",
-           "CausalPoison"]
-
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+           "divide_by_normaliser", "CausalPoison", "LOG_G_FLOOR"]
 
 
-def no_autocast(device: torch.device):
-    """A context in which autocast is off for ``device``'s type (a no-op for other devices)."""
-    if device.type in _AUTOCAST_DEVICES:
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
+def no_autocast(device) -> contextlib.AbstractContextManager:
+    """A context in which autocast is off for ``device``'s type (a no-op where autocast does not exist).
+
+    ``device`` is a ``torch.device`` or a tensor (its device).
+    """
+    device_type = device.device.type if isinstance(device, Tensor) else device.type
+    available = getattr(torch.amp, "is_autocast_available", None)     # torch >= 2.4
+    if not (available(device_type) if available else device_type in ("cpu", "cuda")):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def compiling() -> bool:
@@ -102,6 +106,18 @@ def guarded_normaliser(den: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.where(ok, den, eps), ok
 
 
+def divide_by_normaliser(out_aug: Tensor, normalize: bool, eps: float) -> Tensor:
+    """Split ``(..., Dv + 1)`` into numerator and normaliser and divide (or return the numerator).
+
+    The normaliser is used as computed unless it is zero, negative or not finite
+    (:func:`guarded_normaliser`).
+    """
+    num, den = out_aug[..., :-1], out_aug[..., -1:]
+    if not normalize:
+        return num
+    return num / guarded_normaliser(den, eps)[0]
+
+
 class CausalPoison:
     """Non-finite inputs of a causal computation, made harmless for the positions before them.
 
@@ -146,3 +162,19 @@ class CausalPoison:
     def normaliser(self, z: Tensor) -> Tensor:
         """``(B, H, Dk)`` normaliser state, all NaN if any key was non-finite."""
         return z.masked_fill(self._z, float("nan"))
+
+
+# The gated chunk forms clamp log-gates from below at this value before using them. Without
+# the clamp, float32 sums of accepted log-gates such as -1e38 overflow to -inf (the scalar
+# gates' range sums), and -inf · 0 = NaN in a masked product. Why -1000:
+# - exp(-1000) is exactly 0 in float32 (exp underflows to 0 below about -103.97, subnormals
+#   included) and in float64 (below about -745.13), the two dtypes the chunk forms compute in.
+#   Every factor is exp of a sum of non-positive log-gates, or a product of such exps, and
+#   rounding is monotone, so a range that holds a clamped entry has the factor exactly 0
+#   with or without the clamp. The result is bit-identical to the unclamped computation whenever
+#   that one did not overflow, i.e. for every realistic input.
+# - A sum of C entries >= -1000 is >= -1000·C, finite in float32 for any C < 3.4e35: no
+#   chunk length can overflow it.
+# - Below the clamp the gradient of log_g is exactly 0 (clamp passes none), as it is in the
+#   recurrent form, where d exp(log_g)/d log_g = exp(log_g) underflows to 0 as well.
+LOG_G_FLOOR = -1000.0

@@ -1,4 +1,4 @@
-"""Softmax attention (the reference) and linear attention (one entry point, several algorithms)."""
+"""Softmax attention (the reference), linear attention (one entry point, several algorithms) and its decoding step."""
 from __future__ import annotations
 
 import math
@@ -10,12 +10,12 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._numerics import all_finite, compiling, masked_matmul, no_autocast
+from ._numerics import all_finite, compiling, divide_by_normaliser, guarded_normaliser, masked_matmul, no_autocast
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
-from .recurrent import LinearAttentionState, check_initial_state, finish
+from .state import LinearAttentionState, check_initial_state
 
-__all__ = ["softmax_attention", "linear_attention", "METHODS"]
+__all__ = ["softmax_attention", "linear_attention", "linear_attention_step", "METHODS"]
 
 METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
 
@@ -259,7 +259,7 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
         # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
         if fused is not None and (compiling() or all_finite(fused[1])):
             out_aug, S = fused
-            out = finish(out_aug, normalize, eps)
+            out = divide_by_normaliser(out_aug, normalize, eps)
             return out, (LinearAttentionState.from_augmented(S) if return_state else None)
     if method == "chunk" and _cpu_kernel_applies(phi_q):
         return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
@@ -278,7 +278,7 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
         out_aug, S = quadratic_linear_attention(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
     else:
         out_aug, S = recurrent_linear_attention(phi_q, phi_k, v_aug, S0)
-    out = finish(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
+    out = divide_by_normaliser(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
     return out, (LinearAttentionState.from_augmented(S) if return_state else None)
 
 
@@ -374,3 +374,101 @@ def _resolve_method(method, causal: bool) -> str:
             "or 'quadratic' for non-causal attention"
         )
     return method
+
+
+def linear_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Optional[LinearAttentionState] = None,
+    *,
+    feature_map: "str | FeatureMap | None" = "elu+1",
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, LinearAttentionState]:
+    """Causal linear attention for one new token: update the state, then read it with the query.
+
+    Implements Katharopoulos et al. (2020), eqs. 18-20::
+
+        S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),
+        y_t = S_tᵀ φ(q_t) / z_tᵀ φ(q_t)
+
+    The new token attends to itself and to every earlier token. Running it over
+    ``t = 1..T`` gives ``linear_attention(q, k, v, causal=True)`` (up to rounding); the cost per
+    token is ``O(M·Dv)`` time and the state's memory is constant in ``t``.
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, D)``, the current token's query and key (floating, same dtype and device).
+    v : Tensor
+        ``(B, H, Dv)``, the current token's value.
+    state : LinearAttentionState, optional
+        The state after the previous tokens; ``None`` starts from an empty state.
+        ``S`` must be ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)``.
+    feature_map : str, callable or None
+        φ, as in :func:`linattn.linear_attention`.
+    normalize : bool
+        Divide by the normaliser ``φ(q_t)ᵀz_t`` (True) or return the numerator only.
+    eps : float
+        Used in place of a normaliser that is zero, negative or not finite, as in
+        :func:`linattn.linear_attention`; a positive normaliser is used as it is.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
+    state : LinearAttentionState
+        The updated state, in float32 (float64 for float64 inputs).
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type or whose
+        ``S``/``z`` are not floating tensors.
+    ValueError
+        Wrong ranks, an empty dimension, mismatched (B, H, D), a state whose shapes, dtypes or
+        device do not match, ``eps`` not a positive normal number of the computation dtype, a
+        position-dependent feature map (cosFormer), a feature map whose output has other
+        leading dimensions or lives on another device.
+    """
+    layout = "(batch, heads, dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_tensor(x, name, 3, layout)
+    _checks.check_same_kind({"q": q, "k": k, "v": v})
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            "q, k (B, H, D) and v (B, H, Dv) must share B and H, got "
+            f"q {_checks.shape_str(q.shape)}, k {_checks.shape_str(k.shape)}, v {_checks.shape_str(v.shape)}"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"q and k must have the same head_dim D (dim 2), got q {_checks.shape_str(q.shape)} "
+            f"and k {_checks.shape_str(k.shape)}"
+        )
+    normalize = _checks.check_bool(normalize, "normalize")
+    acc = _checks.accumulation_dtype(q.dtype)
+    eps = _checks.check_eps(eps, acc)
+    phi = resolve_feature_map(feature_map)
+    if _checks.position_dependent(phi):
+        raise ValueError(
+            f"linear_attention_step cannot apply the position-dependent feature_map {type(phi).__name__}: "
+            "it sees one token without its position; compute the features yourself, e.g. "
+            "phi(x[:, :, None], offset=t)[:, :, 0], and pass feature_map=None")
+    with no_autocast(q.device):
+        q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
+        phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
+        B, H, M = phi_k.shape
+        Dv = v.shape[-1]
+        state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+        if state is None:
+            S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                  # (B, H, M, Dv)
+            z = phi_k.clone(memory_format=torch.contiguous_format)       # (B, H, M), never the caller's k
+        else:
+            S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
+            z = state.z + phi_k
+        out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                      # (B, H, Dv)
+        if normalize:
+            den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
+            out = out / guarded_normaliser(den, eps)[0]
+    return out.to(q.dtype), LinearAttentionState(S.contiguous(), z.contiguous())

@@ -51,7 +51,7 @@ from torch import Tensor
 from . import _checks
 from .attention import _resolve_method, linear_attention
 from .feature_maps import FeatureMap, resolve_feature_map
-from .recurrent import LinearAttentionState
+from .state import LinearAttentionState
 
 __all__ = [
     "STATE_EXCHANGES",

@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _checks
-from ._checks import shape_str
+from ._checks import describe, shape_str
 from ._numerics import guarded_normaliser
-from .attention import linear_attention
+from .attention import linear_attention, linear_attention_step
 from .feature_maps import PARAMETRIC_FEATURE_MAPS, FeatureMap, get_feature_map, resolve_feature_map
-from .mixers import DELTA_RULES, RULES, LinearMixer, MixerState
+from .mixers import DELTA_RULES, RULES, LinearMixer
 from .positions import DEFAULT_POSITIONS, ROPE_BASE, apply_rope, check_positions, check_positions_name, token_positions
-from .recurrent import LinearAttentionState, linear_attention_step
+from .state import DecodingState, KVCache, LinearAttentionState, MixerState
 
 __all__ = [
     "KVCache",
@@ -54,165 +54,6 @@ __all__ = [
 ]
 
 ATTENTIONS = ("linear", "softmax") + RULES       # the token mixers a TransformerLM layer may use
-
-
-# ---------------------------------------------------------------------------------------
-# States carried between decoding steps
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class KVCache:
-    """The keys and values softmax attention keeps for decoding (one layer).
-
-    Attributes
-    ----------
-    k, v : Tensor
-        ``(B, H_kv, T, head_dim)``, the keys and values of every token seen so far, per
-        key-value head (grouped heads are cached once, not once per query head); one
-        floating dtype and one device.
-    attention_mask : Tensor
-        ``(B, T)`` bool, True for real tokens, on the device of ``k``; cached padding is
-        never attended to.
-
-    Its size, ``2·B·H_kv·T·head_dim`` numbers, grows by one key and one value per token:
-    decoding token ``t`` reads all ``t`` of them (Vaswani et al., 2017; the cache of
-    Pope et al., 2023). Compare :class:`~linattn.LinearAttentionState`, whose size is fixed.
-    The checks run when the cache is built and again every time a layer uses it, so a cache
-    whose attributes were replaced afterwards is refused as well. ``a == b`` is a bool: True
-    when both are caches whose ``k``, ``v`` and masks have the same shapes, dtypes, devices and
-    values (``torch.equal``, so a NaN makes a cache unequal even to itself).
-
-    Raises
-    ------
-    TypeError
-        If ``k`` or ``v`` is not a floating tensor, ``k`` and ``v`` differ in dtype, or the
-        mask is not a bool tensor.
-    ValueError
-        If ``k`` and ``v`` are not 4-D of one shape, the mask is not ``(B, T)``, or the three
-        are not on one device.
-    """
-
-    k: Tensor
-    v: Tensor
-    attention_mask: Tensor
-
-    def __post_init__(self) -> None:
-        _check_kv_cache(self)
-
-    def __eq__(self, other) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return all(_same_tensor(a, b) for a, b in zip((self.k, self.v, self.attention_mask),
-                                                       (other.k, other.v, other.attention_mask)))
-
-    __hash__ = None                                                       # mutable, compared by value
-
-    @property
-    def seq_len(self) -> int:
-        """Number of cached tokens (padding included)."""
-        return self.k.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the cache, in bytes (keys, values and mask); grows linearly with ``seq_len``."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.attention_mask))
-
-
-def _check_kv_cache(cache: KVCache, name: str = "state") -> None:
-    """``cache`` holds k, v ``(B, H_kv, T, D)`` of one floating dtype and a ``(B, T)`` bool mask, on one device."""
-    for part in ("k", "v"):
-        t = getattr(cache, part)
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}.{part} must be a floating-point torch.Tensor, got {_describe(t)}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}.{part} must be 4-D (batch, kv_heads, seq, head_dim), got {shape_str(t.shape)}")
-    k, v, m = cache.k, cache.v, cache.attention_mask
-    if k.shape != v.shape:
-        raise ValueError(f"{name}.k and {name}.v must have one shape, got {shape_str(k.shape)} and "
-                         f"{shape_str(v.shape)}")
-    if k.dtype != v.dtype:
-        raise TypeError(f"{name}.k and {name}.v must have one dtype, got {k.dtype} and {v.dtype}")
-    if not isinstance(m, Tensor) or m.dtype != torch.bool:
-        raise TypeError(f"{name}.attention_mask must be a bool torch.Tensor, got {_describe(m)}")
-    expected = (k.shape[0], k.shape[2])
-    if tuple(m.shape) != expected:
-        raise ValueError(f"{name}.attention_mask must have shape (batch, seq) = {shape_str(expected)}, "
-                         f"got {shape_str(m.shape)}")
-    for part, t in (("v", v), ("attention_mask", m)):
-        if t.device != k.device:
-            raise ValueError(f"{name}.{part} is on {t.device} but {name}.k is on {k.device}; a KVCache "
-                             "lives on one device")
-
-
-@dataclass(eq=False)
-class DecodingState:
-    """Everything :class:`TransformerLM` needs to continue a batch of sequences.
-
-    Attributes
-    ----------
-    layers : list
-        One entry per block: a :class:`~linattn.LinearAttentionState` (φ-linear attention),
-        a :class:`~linattn.MixerState` (a :class:`~linattn.LinearMixer`: retention, GLA, the
-        delta rules) or a :class:`KVCache` (softmax attention). The first two have a fixed
-        size; a cache grows with every token.
-    positions : Tensor
-        ``(B,)`` int64, the number of real (unpadded) tokens each sequence has seen, which
-        is the position of its next token.
-
-    The checks run when the state is built and again every time the model uses it. ``a == b``
-    is a bool: True when both hold as many layer states, each equal to its partner by that
-    state's own ``==``, and equal positions (same shape, dtype, device and values).
-
-    Raises
-    ------
-    TypeError
-        If ``layers`` is not a list or tuple of layer states, or ``positions`` is not an
-        int64 tensor.
-    ValueError
-        If ``positions`` is not 1-D.
-    """
-
-    layers: list
-    positions: Tensor
-
-    def __post_init__(self) -> None:
-        _check_decoding_state(self)
-
-    def __eq__(self, other) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        if len(self.layers) != len(other.layers) or not _same_tensor(self.positions, other.positions):
-            return False
-        return all(type(a) is type(b) and bool(a == b) for a, b in zip(self.layers, other.layers))
-
-    __hash__ = None
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by all layers' states and the positions, in bytes."""
-        return sum(s.nbytes for s in self.layers) + self.positions.numel() * self.positions.element_size()
-
-
-def _same_tensor(a, b) -> bool:
-    """Same shape, dtype, device and values (False for anything that is not a pair of tensors)."""
-    return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and torch.equal(a, b))
-
-
-def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
-    layers = state.layers
-    if not isinstance(layers, (list, tuple)):
-        raise TypeError(f"{name}.layers must be a list of layer states (one per block), got {_describe(layers)}")
-    for i, s in enumerate(layers):
-        if not isinstance(s, (LinearAttentionState, MixerState, KVCache)):
-            raise TypeError(f"{name}.layers[{i}] must be a LinearAttentionState, a MixerState or a KVCache, "
-                            f"got {_describe(s)}")
-    p = state.positions
-    if not isinstance(p, Tensor) or p.dtype != torch.long:
-        raise TypeError(f"{name}.positions must be an int64 tensor of shape (batch,), got {_describe(p)}")
-    if p.dim() != 1:
-        raise ValueError(f"{name}.positions must have shape (batch,), got {shape_str(p.shape)}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -706,7 +547,7 @@ class SoftmaxAttention(_MultiHeadProjections):
             return
         if not isinstance(state, KVCache):
             raise TypeError(f"state must be a KVCache (or None) for SoftmaxAttention, got {type(state).__name__}")
-        _check_kv_cache(state)
+        state.validate()
         B, Hkv, _, D = state.k.shape
         if (B, Hkv, D) != (x.shape[0], self.n_kv_heads, self.head_dim):
             raise ValueError(
@@ -843,7 +684,7 @@ class LinearMultiheadAttention(_MultiHeadProjections):
             if not _is_causal_mask(attn_mask, Tq, Tk):
                 raise ValueError(
                     f"attn_mask must be None or the ({Tq}, {Tq}) causal mask (bool: True above the diagonal; float: "
-                    f"-inf above the diagonal, 0 elsewhere), got {_describe(attn_mask)}: linear attention "
+                    f"-inf above the diagonal, 0 elsewhere), got {describe(attn_mask)}: linear attention "
                     "cannot apply an arbitrary (Tq, Tk) mask, since it never forms the attention matrix")
             causal = True
         if causal and Tq != Tk:
@@ -854,7 +695,7 @@ class LinearMultiheadAttention(_MultiHeadProjections):
             if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
                 raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, PyTorch's meaning); a "
                                 "float (additive) mask has no linear-attention form; got "
-                                f"{_describe(key_padding_mask)}")
+                                f"{describe(key_padding_mask)}")
             attention_mask = ~_checks.attention_mask_as_bool(key_padding_mask, B, Tk, query.device,
                                                              name="key_padding_mask")  # True = real token
         q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
@@ -1240,7 +1081,7 @@ class TransformerLM(nn.Module):
         """``idx`` is a ``(B, T)`` int64 tensor of ids on the model's device (as a graph-safe value check)."""
         V = self.config.vocab_size
         if not isinstance(idx, Tensor) or idx.dtype != torch.long:
-            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {_describe(idx)}")
+            raise TypeError(f"idx must be an int64 (torch.long) tensor of token ids, got {describe(idx)}")
         if idx.dim() != 2 or idx.shape[0] == 0 or idx.shape[1] == 0:
             raise ValueError(f"idx must have shape (batch, seq) with batch, seq >= 1, got {shape_str(idx.shape)}")
         device = self.tok_emb.weight.device
@@ -1256,7 +1097,7 @@ class TransformerLM(nn.Module):
             return torch.zeros(batch, dtype=torch.long, device=device)
         if not isinstance(state, DecodingState):
             raise TypeError(f"state must be a DecodingState (or None), got {type(state).__name__}")
-        _check_decoding_state(state)
+        state.validate()
         if len(state.layers) != self.config.n_layers:
             raise ValueError(f"state must hold one layer state per block ({self.config.n_layers}), got "
                              f"{len(state.layers)}")
@@ -1268,7 +1109,7 @@ class TransformerLM(nn.Module):
         p = state.positions
         if tuple(p.shape) != (batch,):
             raise ValueError(f"state.positions must be an int64 tensor of shape (batch,) = ({batch},), "
-                             f"got {_describe(p)}")
+                             f"got {describe(p)}")
         if p.device != device:
             raise ValueError(f"state.positions is on {p.device} but idx is on {device}")
         _checks.check_values(p >= 0, "state.positions", "a count of tokens seen, >= 0", p)
@@ -1320,7 +1161,7 @@ class TransformerLM(nn.Module):
         """
         logits = self(idx)                                                # (B, T, V); checks idx
         if not isinstance(targets, Tensor) or targets.dtype != torch.long:
-            raise TypeError(f"targets must be an int64 (torch.long) tensor of token ids, got {_describe(targets)}")
+            raise TypeError(f"targets must be an int64 (torch.long) tensor of token ids, got {describe(targets)}")
         if targets.shape != idx.shape:
             raise ValueError(f"targets must have the shape of idx {shape_str(idx.shape)}, got {shape_str(targets.shape)}")
         V = self.config.vocab_size
@@ -1462,12 +1303,6 @@ def _features(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return q, k
     acc = _checks.accumulation_dtype(q.dtype)
     return phi(q.to(acc)), phi(k.to(acc))
-
-
-def _describe(x) -> str:
-    if isinstance(x, Tensor):
-        return f"a {x.dtype} tensor of shape {shape_str(x.shape)}"
-    return type(x).__name__
 
 
 def _set_linear_options(layer: nn.Module, feature_map, normalize, eps, chunk_size) -> None:

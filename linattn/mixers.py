@@ -40,7 +40,6 @@ The mixers take no positions: the short convolutions and the decay give them ord
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -50,8 +49,8 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import shape_str
-from ._numerics import no_autocast
-from .ops._common import LOG_G_FLOOR
+from ._numerics import LOG_G_FLOOR, no_autocast
+from .state import MixerState
 from .ops.delta import delta_rule
 from .ops.gated_delta import gated_delta_rule
 from .ops.gla import gated_linear_attention
@@ -66,88 +65,6 @@ GLA_GATE_RANK = 16          # GLA's low-rank gate projection (Yang et al., 2024)
 GLA_GATE_NORMALIZER = 16.0  # ... and its temperature τ: log α = logsigmoid(·) / τ
 NORM_EPS = 1e-5             # the output RMSNorm's ε
 L2_EPS = 1e-6               # F.normalize's ε for q and k
-
-
-# ---------------------------------------------------------------------------------------
-# The decoding state
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class MixerState:
-    """What :class:`LinearMixer` carries from one call to the next (one layer).
-
-    Attributes
-    ----------
-    S : Tensor
-        ``(B, H_kv, head_dim, head_dim)``, the matrix-valued state of the update rule (one
-        per key-value head), float32 (float64 for float64 inputs).
-    conv : Tensor or None
-        ``(B, C, kernel_size − 1)``, the last ``kernel_size − 1`` inputs of the short
-        convolution (its channels ``C = (H + 2 H_kv) · head_dim`` are ``q``, ``k``, ``v``
-        side by side), zeros before the first token; same dtype and device as ``S``. None
-        for a layer without short convolution.
-
-    Its size does not depend on how many tokens it summarises. The checks run when the
-    state is built and again every time a layer uses it. ``a == b`` is a bool: True when both
-    are states whose ``S`` and ``conv`` have the same shapes, dtypes, devices and values
-    (``torch.equal``; both ``conv`` None counts as equal). States returned by
-    :class:`LinearMixer` own their memory (they share none with any input).
-
-    Raises
-    ------
-    TypeError
-        ``S`` or ``conv`` not a floating tensor (``conv`` may be None).
-    ValueError
-        ``S`` not 4-D, ``conv`` not 3-D, an empty dimension, a batch that differs between
-        them, or ``conv`` of another dtype or device than ``S``.
-    """
-
-    S: Tensor
-    conv: Optional[Tensor] = None
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, name: str = "state") -> None:
-        """Check the tensors (on construction and again at every use).
-
-        Raises
-        ------
-        TypeError, ValueError
-            As the class.
-        """
-        _checks.check_tensor(self.S, f"{name}.S", 4, "(batch, n_kv_heads, head_dim, head_dim)")
-        c = self.conv
-        if c is None:
-            return
-        _checks.check_tensor(c, f"{name}.conv", 3, "(batch, channels, kernel_size - 1)")
-        if c.dtype != self.S.dtype or c.device != self.S.device:
-            raise ValueError(f"{name}.conv and {name}.S must share dtype and device, got conv {c.dtype} on "
-                             f"{c.device} and S {self.S.dtype} on {self.S.device}")
-        if c.shape[0] != self.S.shape[0]:
-            raise ValueError(f"{name}.conv and {name}.S must have one batch size, got conv {shape_str(c.shape)} "
-                             f"and S {shape_str(self.S.shape)}")
-
-    def __eq__(self, other) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        if (self.conv is None) != (other.conv is None):
-            return False
-        pairs = [(self.S, other.S)] + ([] if self.conv is None else [(self.conv, other.conv)])
-        return all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-                   for a, b in pairs)
-
-    __hash__ = None                                                       # mutable, compared by value
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the state, in bytes (constant in the number of tokens seen)."""
-        return sum(t.numel() * t.element_size() for t in (self.S, self.conv) if t is not None)
-
-    def detach(self) -> "MixerState":
-        """The same state cut from the autograd graph (for truncated back-propagation)."""
-        return MixerState(self.S.detach(), None if self.conv is None else self.conv.detach())
 
 
 # ---------------------------------------------------------------------------------------

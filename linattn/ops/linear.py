@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
-from ..recurrent import step_features
 
 __all__ = ["chunk_linear_attention", "chunkwise_linear_attention", "parallel_linear_attention",
            "quadratic_linear_attention", "recurrent_linear_attention"]
@@ -471,6 +470,17 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
 
 
 # --------------------------------------------------------------------------- the reference algorithms
+
+
+def step_features(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S_aug: Tensor) -> tuple[Tensor, Tensor]:
+    """One recurrence step on features: ``S_t = S_{t-1} + φ(k_t)[v_t, 1]ᵀ``, output ``φ(q_t)ᵀS_t``.
+
+    phi_q, phi_k (B, H, M); v_aug (B, H, Dv + 1); S_aug (B, H, M, Dv + 1).
+    Returns the augmented output (B, H, Dv + 1) and the new state.
+    """
+    S_aug = S_aug + phi_k.unsqueeze(-1) * v_aug.unsqueeze(-2)     # (B, H, M, Dv + 1)
+    out_aug = (phi_q.unsqueeze(-2) @ S_aug).squeeze(-2)          # (B, H, Dv + 1)
+    return out_aug, S_aug
 
 
 def parallel_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:

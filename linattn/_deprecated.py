@@ -1,0 +1,26 @@
+"""Old module paths that still import, with a DeprecationWarning (private).
+
+A moved module becomes a few lines: ``__getattr__ = moved(__name__, {"old_name": "new.module:new_name"})``.
+Every attribute read through it warns once per read, naming the new place; nothing warns at import.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+__all__ = ["moved"]
+
+
+def moved(old_module: str, names: dict[str, str]):
+    """A module ``__getattr__`` for ``old_module`` whose ``names`` map to ``"module:name"`` targets."""
+
+    def __getattr__(name: str):
+        target = names.get(name)
+        if target is None:
+            raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
+        module, _, attr = target.partition(":")
+        warnings.warn(f"{old_module}.{name} is deprecated and will be removed after linattn 0.2; "
+                      f"use {module}.{attr}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), attr)
+
+    return __getattr__
