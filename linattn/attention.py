@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, backends
 from ._numerics import all_finite, compiling, divide_by_normaliser, guarded_normaliser, masked_matmul, no_autocast
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
@@ -241,8 +239,8 @@ def linear_attention(
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
                       return_state, acc):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
-    if (method == "chunk" and phi is elu_plus_one and attention_mask is None
-            and not _fused_kernel_applies(q, chunk_size) and _cpu_kernel_applies(q.to(acc))):
+    if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
+            and backends.select("linear_attention", q.to(acc), k, v, chunk_size=chunk_size) == "cpu"):
         return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
@@ -254,22 +252,25 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     B, H, _, M = phi_k.shape
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
-    if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
-        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
-        # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
-        if fused is not None and (compiling() or all_finite(fused[1])):
-            out_aug, S = fused
-            out = divide_by_normaliser(out_aug, normalize, eps)
-            return out, (LinearAttentionState.from_augmented(S) if return_state else None)
-    if method == "chunk" and _cpu_kernel_applies(phi_q):
-        return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
     if method == "chunk":
+        backend = backends.select("linear_attention", phi_q, phi_k, v32, chunk_size=chunk_size)
+        if backend == "triton":
+            fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
+            # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
+            if fused is not None and (compiling() or all_finite(fused[1])):
+                out_aug, S = fused
+                out = divide_by_normaliser(out_aug, normalize, eps)
+                return out, (LinearAttentionState.from_augmented(S) if return_state else None)
+            backends._record("torch")
+        elif backend == "cpu":
+            return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
             normalize=normalize, eps=eps, chunk_size=chunk_size)
         return out, (LinearAttentionState(S, z) if return_state else None)
 
     # The reference algorithms carry the normaliser as an extra value column of ones.
+    backends._record("torch")
     S0 = None if state0 is None else state0.augmented()                   # (B, H, M, Dv + 1)
     v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)       # (B, H, Tk, Dv + 1)
     if method == "parallel":
@@ -280,25 +281,6 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
         out_aug, S = recurrent_linear_attention(phi_q, phi_k, v_aug, S0)
     out = divide_by_normaliser(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
     return out, (LinearAttentionState.from_augmented(S) if return_state else None)
-
-
-# Set when the fused kernel failed to compile or launch in this process: the message, once.
-_FUSED_KERNEL_FAILURE: list[str] = []
-
-
-def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
-    """The Triton kernel runs for CUDA features (float32 here: for half inputs the kernel then reads
-    them rounded back to the input dtype) and power-of-two chunks >= 16, unless the environment sets
-    ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
-    if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" or _FUSED_KERNEL_FAILURE:
-        return False
-    if not phi_q.is_cuda or phi_q.dtype != torch.float32:
-        return False
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        return False
-    from .kernels import triton_available
-
-    return triton_available()
 
 
 def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
@@ -312,22 +294,6 @@ def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, retur
         q, k, v, None if state0 is None else state0.S, None if state0 is None else state0.z,
         normalize=normalize, eps=eps, chunk_size=chunk_size, feature_map=feature_map)
     return out, (LinearAttentionState(S, z) if return_state else None)
-
-
-def _cpu_kernel_applies(phi_q: Tensor) -> bool:
-    """The compiled CPU kernel runs for CPU float32/float64 features when ``LINATTN_CPU_KERNEL=1``
-    (outside ``torch.compile`` and ``torch.func`` transforms) and the kernel could be built here."""
-    from .kernels import cpu
-
-    if not cpu.cpu_kernel_enabled() or phi_q.device.type != "cpu" or phi_q.dtype not in (torch.float32,
-                                                                                          torch.float64):
-        return False
-    if compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    if not cpu.cpu_kernel_available():
-        cpu.warn_unavailable_once()
-        return False
-    return True
 
 
 def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
@@ -348,13 +314,7 @@ def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[Lin
         return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size,
                                                      out_dtype=torch.float32 if half else None)
     except Exception as err:  # e.g. a compile or launch failure (out of shared memory) on this GPU
-        _FUSED_KERNEL_FAILURE.append(repr(err))
-        warnings.warn(
-            f"linattn: the fused Triton kernel failed ({err!r}); using the PyTorch chunk path "
-            "from now on in this process (set LINATTN_DISABLE_TRITON=1 to skip the kernel)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        backends._triton_failed(err)
         return None
 
 

@@ -109,7 +109,7 @@ def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
     # Triton is optional: this test must run without it, so it is made unimportable here and the
     # broken kernel is put straight into the module's namespace (monkeypatch.setattr would read
     # the old value first, and kernels.__getattr__ resolves that name by importing Triton).
-    from linattn import attention, kernels
+    from linattn import backends, kernels
 
     calls = []
 
@@ -119,15 +119,17 @@ def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "triton", None)   # `import triton` raises ImportError
     monkeypatch.setitem(vars(kernels), "chunk_linear_attention_triton", broken_kernel)
-    monkeypatch.setattr(attention, "_fused_kernel_applies", lambda phi_q, chunk_size: not attention._FUSED_KERNEL_FAILURE)
-    monkeypatch.setattr(attention, "_FUSED_KERNEL_FAILURE", [])
+    monkeypatch.setattr(backends, "_triton_failure", [])
+    monkeypatch.setattr(backends, "_why_not_triton", lambda tensors, chunk_size: (
+        backends._triton_failure[0] if backends._triton_failure else None))
     q, k, v = _qkv(1, 2, 40, 8, 8, dtype=torch.float32)
     ref = linattn.linear_attention(q, k, v, causal=True, method="quadratic")
     with pytest.warns(RuntimeWarning, match="fused Triton kernel failed"):
         out = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
     assert len(calls) == 1, "the fused kernel was not tried"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    assert attention._FUSED_KERNEL_FAILURE  # remembered: no second attempt, no second warning
+    assert backends._triton_failure  # remembered: no second attempt, no second warning
+    assert backends.last_backend() == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
@@ -136,10 +138,11 @@ def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
 
 
 def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):
-    from linattn import attention
+    from linattn import backends
 
     monkeypatch.setenv("LINATTN_DISABLE_TRITON", "1")
-    assert attention._fused_kernel_applies(torch.zeros(1, 1, 4, 4), 16) is False
+    assert "triton" not in backends.default_backends()
+    assert backends.select("linear_attention", torch.zeros(1, 1, 4, 4), chunk_size=16) == "torch"
 
 
 from hypothesis import given, settings, strategies as st  # noqa: E402

@@ -19,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import linattn
 from linattn.kernels import cpu
+from linattn.kernels.cpu import runtime as cpu_runtime
 
 needs_kernel = pytest.mark.skipif(not cpu.cpu_kernel_available(),
                                   reason=f"no C++ compiler for the CPU kernel: {cpu.build_info().get('error')}")
@@ -241,8 +242,8 @@ def test_the_openmp_runtime_and_threads_of_our_own_give_the_same_bits(monkeypatc
     """The kernels run their heads on PyTorch's OpenMP threads where they find them (Linux), else on
     std::threads; every kernel gives the same bits either way."""
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
-    lib = cpu._library()
-    runtime = cpu._torch_openmp()
+    lib = cpu_runtime._library()
+    runtime = cpu_runtime._torch_openmp()
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, 3, 45, 16, generator=g, requires_grad=True) for _ in range(3))
     log_g = (F.logsigmoid(torch.randn(2, 3, 45, 16, generator=g)) / 4).requires_grad_()

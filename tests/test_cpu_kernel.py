@@ -15,8 +15,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import linattn
-from linattn import attention
+from linattn import backends
 from linattn.kernels import cpu
+from linattn.kernels.cpu import runtime as cpu_runtime
 from refimpl import ref_linear_attention
 
 needs_kernel = pytest.mark.skipif(not cpu.cpu_kernel_available(),
@@ -209,7 +210,7 @@ def test_linear_attention_uses_the_kernel_only_when_asked(monkeypatch):
     # not for half inputs, other methods, or inside torch.func transforms
     assert "Cpu" not in type(linattn.linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(),
                                                       causal=True).grad_fn).__name__
-    assert not attention._cpu_kernel_applies(torch.zeros(1, 1, 4, 4, dtype=torch.float16))
+    assert backends.select("linear_attention", torch.zeros(1, 1, 4, 4, dtype=torch.float16)) == "torch"
     grads = torch.func.grad(lambda q_: linattn.linear_attention(q_, k, v, causal=True).sum())(q.detach())
     torch.testing.assert_close(grads, torch.autograd.grad(y.sum(), q)[0], rtol=1e-5, atol=1e-6)
 
@@ -226,7 +227,7 @@ def test_linear_attention_with_the_kernel_compiles_fullgraph(monkeypatch):
 
 def test_without_a_compiler_the_pytorch_path_runs_with_one_warning(monkeypatch, tmp_path):
     """No compiler (or a failing build): not available, a RuntimeWarning once, the same numbers."""
-    monkeypatch.setattr(cpu, "_state", {})
+    monkeypatch.setattr(cpu_runtime, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
@@ -246,7 +247,7 @@ def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path):
     fake = tmp_path / "fake-c++"
     fake.write_text("#!/bin/sh\necho 'fake 1.0'\n[ \"$1\" = --version ] && exit 0\necho broken >&2\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(cpu, "_state", {})
+    monkeypatch.setattr(cpu_runtime, "_state", {})
     monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
     assert cpu.cpu_kernel_available() is False

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import linattn
-from linattn.ops import _decay
+from linattn.ops import _common, decay as _decay
+from linattn.ops.gla import chunk as _gla
 
 F64 = dict(rtol=1e-9, atol=1e-10)
 NAMES = ["out", "S", "dq", "dk", "dv", "dlog_g", "dS0"]
@@ -70,7 +71,7 @@ def test_float32_gradients_have_float32_accuracy_like_op_by_op_autograd(monkeypa
     truth = _grads(xs64, "recurrent", 64)
     xs = [x.detach().float().requires_grad_() for x in xs64]
     got = _grads(xs, "chunk", 64)
-    monkeypatch.setattr(_decay._GLAChunk, "apply", _decay.gla_chunk_ops)
+    monkeypatch.setattr(_gla._GLAChunk, "apply", _gla.gla_chunk_ops)
     ref = _grads(xs, "chunk", 64)
     for name, a, b, t in zip(NAMES, got, ref, truth):
         scale = t.abs().max().item()
@@ -84,7 +85,7 @@ def test_groups_of_chunks_give_the_same_result(numbers, monkeypatch):
     """The passes over groups of chunks (one chunk per group, a ragged last group, one group)."""
     xs = _inputs(2, 3, 200, 8, 4, 5)
     ref = _grads(xs, "recurrent", 32)
-    monkeypatch.setattr(_decay, "GROUP_NUMBERS", numbers)
+    monkeypatch.setattr(_common, "GROUP_NUMBERS", numbers)
     got = _grads(xs, "chunk", 32)
     for name, a, b in zip(NAMES, got, ref):
         torch.testing.assert_close(a, b, **F64, msg=lambda m: f"{name}: {m}")
@@ -205,9 +206,9 @@ def test_the_backward_takes_the_forward_groups(forward_numbers, backward_numbers
     xs = _inputs(2, 3, 200, 8, 5, 3)
     ref = _grads(xs, "recurrent", 16)
     q, k, v, log_g, S0 = xs
-    monkeypatch.setattr(_decay, "GROUP_NUMBERS", forward_numbers)
+    monkeypatch.setattr(_common, "GROUP_NUMBERS", forward_numbers)
     out, S = linattn.gated_linear_attention(q, k, v, log_g, chunk_size=16, initial_state=S0, return_state=True)
-    monkeypatch.setattr(_decay, "GROUP_NUMBERS", backward_numbers)
+    monkeypatch.setattr(_common, "GROUP_NUMBERS", backward_numbers)
     w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
     w_S = torch.linspace(1, -2, S.numel(), dtype=S.dtype).reshape(S.shape)
     grads = torch.autograd.grad((out * w_out).sum() + (S * w_S).sum(), xs)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import linattn
-from linattn import attention
+from linattn import backends
 
 REHEARSAL = os.environ.get("LINATTN_GPU_REHEARSAL") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSAL),
@@ -31,11 +31,11 @@ def fused(monkeypatch):
 
     assert kernels.triton_available()
     monkeypatch.delenv("LINATTN_DISABLE_TRITON", raising=False)
-    monkeypatch.setattr(attention, "_FUSED_KERNEL_FAILURE", [])
+    monkeypatch.setattr(backends, "_triton_failure", [])
     if not torch.cuda.is_available():
         # as on CUDA: float32 features (float64 inputs keep the PyTorch path), power-of-two chunks >= 16
-        monkeypatch.setattr(attention, "_fused_kernel_applies", lambda phi_q, chunk_size: (
-            phi_q.dtype == torch.float32 and chunk_size >= 16 and not chunk_size & (chunk_size - 1)))
+        monkeypatch.setattr(backends, "_why_not_triton", lambda tensors, chunk_size: None if (
+            tensors[0].dtype == torch.float32 and chunk_size >= 16 and not chunk_size & (chunk_size - 1)) else "no")
     calls = []
     real = kernels.chunk_linear_attention_triton
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import linattn
-from linattn.ops import _decay
+from linattn.ops import _common, decay as _decay
 
 F64 = dict(rtol=1e-9, atol=1e-10)
 FAMILIES = ["gla", "gated_delta", "gated_delta_channel"]
@@ -57,9 +57,10 @@ def choices(monkeypatch):
         out = real(*args)
         seen.extend(out)
         return out
-    monkeypatch.setattr(_decay, "mild_groups", spy)
-    import linattn.ops._wy as wy
-    monkeypatch.setattr(wy, "mild_groups", spy)
+    import linattn.ops.gla.chunk as gla_chunk
+    import linattn.ops.wy.function as wy_function
+    monkeypatch.setattr(gla_chunk, "mild_groups", spy)
+    monkeypatch.setattr(wy_function, "mild_groups", spy)
     return seen
 
 
@@ -89,7 +90,7 @@ def test_both_forms_and_a_mix_match_the_recurrence_in_float64(family, path, choi
         log_g = log_g - 2.0                                         # depth > 32 in every chunk
     if path == "mixed":
         log_g[:, 1] -= 2.0                                          # the second head's chunks are deep
-        monkeypatch.setattr(_decay, "GROUP_NUMBERS", 1)             # one chunk per group
+        monkeypatch.setattr(_common, "GROUP_NUMBERS", 1)             # one chunk per group
     xs = _inputs(family, T, D, 0, log_g)
     got = _grads(family, xs, "chunk", C)
     ref = _grads(family, xs, "recurrent", C)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import linattn.kernels
-from linattn.ops.linear import chunk_linear_attention
+from linattn.ops.linear.naive import naive_chunk_linear_attention as chunk_linear_attention
 
 B, H, M, DV = 2, 2, 16, 33  # M != Dv, Dv not a power of two (like the values plus a ones column)
 
@@ -32,7 +32,7 @@ def tk():
         if interpret:
             mp.setenv("TRITON_INTERPRET", "1")  # before Triton's first import, in case this is it
         pytest.importorskip("triton", reason="Triton is not installed (pip install 'linattn[triton]')")
-        module = importlib.import_module("linattn.kernels.triton_chunk")
+        module = importlib.import_module("linattn.kernels.triton.chunk")
         if module._INTERPRETED != interpret:
             module = importlib.reload(module)
         yield module
@@ -234,13 +234,13 @@ def test_half_inputs_with_a_float32_output(tk, dtype):
 def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch):
     """The dispatch for float16 inputs: features and values read in float16, the normaliser kept
     in float32 (it passes 65504 here: T = 2048, elu+1 features of D = 16), output rounded once."""
-    from linattn import attention
+    from linattn import backends
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 2048, 16, generator=g).to(_device(), torch.float16) for _ in range(3))
     exact = linattn.linear_attention(q.double(), k.double(), v.double(), causal=True)
-    monkeypatch.setattr(attention, "_fused_kernel_applies", lambda phi_q, chunk_size: True)
-    monkeypatch.setattr(attention, "_FUSED_KERNEL_FAILURE", [])
+    monkeypatch.setattr(backends, "_why_not_triton", lambda tensors, chunk_size: None)
+    monkeypatch.setattr(backends, "_triton_failure", [])
     calls = []
     real = tk.chunk_linear_attention_triton
 
@@ -251,5 +251,5 @@ def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch):
     monkeypatch.setitem(vars(linattn.kernels), "chunk_linear_attention_triton", spy)
     out = linattn.linear_attention(q, k, v, causal=True, chunk_size=64)
     assert calls == [(torch.float16, torch.float32)] and out.dtype == torch.float16
-    assert out.isfinite().all() and not attention._FUSED_KERNEL_FAILURE
+    assert out.isfinite().all() and not backends._triton_failure
     _assert_rel(out, exact, 4e-3, "float16 output")          # features and output rounded to float16

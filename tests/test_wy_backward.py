@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import linattn
-from linattn.ops import _wy
+from linattn.ops.wy import function as _wyf, linalg as _wyl, naive as _wyn, scan as _wys
 
 F64 = dict(rtol=1e-9, atol=1e-10)
 
@@ -83,8 +83,8 @@ def test_float32_gradients_have_float32_accuracy_like_op_by_op_autograd(gated, m
     truth = _grads(xs64, "recurrent", 32, gated)
     xs = [x.detach().float().requires_grad_() for x in xs64]
     got = _grads(xs, "chunk", 32, gated)
-    monkeypatch.setattr(_wy._WYChunk, "apply", _wy._forward)
-    monkeypatch.setattr(_wy._WYChannelChunk, "apply", _wy._forward_channel)
+    monkeypatch.setattr(_wyf._WYChunk, "apply", _wyn.wy_chunk_ops)
+    monkeypatch.setattr(_wyf._WYChannelChunk, "apply", _wyn.wy_chunk_channel_ops)
     ref = _grads(xs, "chunk", 32, gated)
     for name, a, b, t in zip(["out", "S", "dq", "dk", "dv", "dbeta", "dS0", "dlog_g"], got, ref, truth):
         scale = t.abs().max().item()
@@ -158,17 +158,17 @@ def test_inputs_and_initial_state_are_not_modified(gated):
 def test_unit_lower_inverse(C):
     g = torch.Generator().manual_seed(C)
     M = (torch.randn(3, C, C, generator=g, dtype=torch.float64) * 0.3).tril(-1) + torch.eye(C, dtype=torch.float64)
-    torch.testing.assert_close(_wy._unit_lower_inverse(M) @ M, torch.eye(C, dtype=torch.float64).expand(3, C, C),
+    torch.testing.assert_close(_wyl.unit_lower_inverse(M) @ M, torch.eye(C, dtype=torch.float64).expand(3, C, C),
                                rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("numbers", [1, 4096, 1 << 30])
 def test_per_channel_groups_of_chunks_give_the_same_result(numbers, monkeypatch):
     """The per-channel form's passes over groups of chunks (one chunk per group, a ragged last group, one group)."""
-    from linattn.ops import _decay
+    from linattn.ops import _common
     xs = _inputs(2, 3, 150, 8, 4, 5, gated="channel")
     ref = _grads(xs, "recurrent", 32, "channel")
-    monkeypatch.setattr(_decay, "GROUP_NUMBERS", numbers)
+    monkeypatch.setattr(_common, "GROUP_NUMBERS", numbers)
     got = _grads(xs, "chunk", 32, "channel")
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, **F64)
@@ -184,8 +184,8 @@ def test_inference_without_gradients_takes_the_fast_forward(gated, monkeypatch):
         raise AssertionError("the op-by-op form ran")
     with torch.no_grad():
         ref = _call(xs, "recurrent", 16, gated)
-        monkeypatch.setattr(_wy, "_forward", refuse)
-        monkeypatch.setattr(_wy, "_forward_channel", refuse)
+        monkeypatch.setattr(_wyf, "wy_chunk_ops", refuse)
+        monkeypatch.setattr(_wyf, "wy_chunk_channel_ops", refuse)
         got = _call(xs, "chunk", 16, gated)
     for a, b in zip(got, ref):
         assert a.grad_fn is None
@@ -201,9 +201,9 @@ def test_chunk_major_rows_of_any_group(BH, N):
     for start in range(BH * N):
         for stop in range(start + 1, BH * N + 1):
             grp = slice(start, stop)
-            assert torch.equal(_wy._rows(chunk_major, grp, N), head_major[grp])
+            assert torch.equal(_wys.rows(chunk_major, grp, N), head_major[grp])
             written = torch.zeros_like(chunk_major)
-            _wy._set_rows(written, grp, N, head_major[grp])
+            _wys.set_rows(written, grp, N, head_major[grp])
             expected = torch.zeros_like(head_major)
             expected[grp] = head_major[grp]
             assert torch.equal(written.transpose(0, 1).reshape(BH * N, 3, 2), expected)
@@ -222,12 +222,12 @@ def test_the_scans_write_chunk_major_contiguous_blocks(gated):
            "channel": torch.rand(BH * N, Dk, 1, generator=g, dtype=torch.float64)}[gated]
     S0 = torch.randn(BH, Dk, Dv, generator=g, dtype=torch.float64)
     Ut = Ut_hm.view(BH, N, C, Dv).transpose(0, 1).contiguous()
-    U, S_before, S = _wy._scan(W, Ut, ke, tot, S0, BH, N)
+    U, S_before, S = _wys.scan_chunks(W, Ut, ke, tot, S0, BH, N)
     PdO = torch.randn(N, BH, C, Dv, generator=g, dtype=torch.float64)
     QdO = torch.randn(BH * N, Dk, Dv, generator=g, dtype=torch.float64)
     dS = torch.randn(BH, Dk, Dv, generator=g, dtype=torch.float64)
     PdO_in = PdO.clone()
-    dU, dS_after, dS0 = _wy._scan_backward(PdO, QdO, W, ke, tot, dS, BH, N)
+    dU, dS_after, dS0 = _wys.scan_chunks_backward(PdO, QdO, W, ke, tot, dS, BH, N)
     for x, shape in ((U, (N, BH, C, Dv)), (S_before, (N, BH, Dk, Dv)), (dU, (N, BH, C, Dv)),
                      (dS_after, (N, BH, Dk, Dv))):
         assert x.shape == shape and all(x[n].is_contiguous() for n in range(N))
@@ -257,12 +257,12 @@ def test_the_backward_takes_the_forward_groups(gated, forward_numbers, backward_
     """The backward pass works on the groups of chunks that the forward pass formed (and kept), even if
     GROUP_NUMBERS changed in between (found by a new-user test: it re-formed them, and a backward
     with more groups than the forward left chunks' gradients uninitialised)."""
-    from linattn.ops import _decay
+    from linattn.ops import _common
     xs = _inputs(2, 3, 200, 8, 5, 3, gated=gated)
     ref = _grads(xs, "recurrent", 16, gated)
-    monkeypatch.setattr(_decay, "GROUP_NUMBERS", forward_numbers)
+    monkeypatch.setattr(_common, "GROUP_NUMBERS", forward_numbers)
     out, S = _call(xs, "chunk", 16, gated)
-    monkeypatch.setattr(_decay, "GROUP_NUMBERS", backward_numbers)
+    monkeypatch.setattr(_common, "GROUP_NUMBERS", backward_numbers)
     w_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
     w_S = torch.linspace(1, -2, S.numel(), dtype=S.dtype).reshape(S.shape)
     grads = torch.autograd.grad((out * w_out).sum() + (S * w_S).sum(), xs)

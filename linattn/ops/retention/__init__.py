@@ -11,12 +11,15 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .. import _checks
-from ._common import Result, from_chunks, num_chunks, prepare, read, run, scan, to_chunks, zeros_state, finish
-from .._numerics import no_autocast
-from ..feature_maps import FeatureMap
+from ... import _checks
+from ... import backends
+from ..._numerics import no_autocast
+from ...feature_maps import FeatureMap
+from .._common import Result, output_and_state, prepare, run, zeros_state
+from .chunk import chunk_retention
+from .naive import recurrent_retention
 
-__all__ = ['retention']
+__all__ = ["retention", "recurrent_retention", "chunk_retention"]
 
 
 def retention(
@@ -105,9 +108,20 @@ def retention(
     p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
     with no_autocast(q.device):
         gamma_t = _check_gamma(gamma, q, p.acc)
-        out, S = run(p, lambda: _retention_recurrent(p.q, p.k, p.v, gamma_t, p.S0),
-                      lambda q, k, v: _retention_chunk(q, k, v, gamma_t, p.S0, p.chunk_size))
-    return finish(out, S, q.dtype, p.return_state)
+        out, S = run(p, lambda: recurrent_retention(p.q, p.k, p.v, gamma_t, p.S0),
+                     lambda q, k, v: _chunk(q, k, v, gamma_t, p.S0, p.chunk_size))
+    return output_and_state(out, S, q.dtype, p.return_state)
+
+
+def _chunk(q, k, v, gamma, S0, chunk_size):
+    """The chunk method on the backend :mod:`linattn.backends` picks."""
+    if backends.select("retention", q, k, v, gamma, S0) == "cpu":
+        from ...kernels.cpu import decay_cpu
+
+        B, H, T, _ = k.shape
+        alpha = gamma.view(1, H, 1).expand(B, H, T)                   # autograd sums its gradient into gamma
+        return decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
+    return chunk_retention(q, k, v, gamma, S0, chunk_size)
 
 
 # --------------------------------------------------------------------------- checks
@@ -141,58 +155,3 @@ def _check_gamma(gamma, q: Tensor, acc: torch.dtype) -> Tensor:
                          f"(use a gamma >= {torch.finfo(acc).tiny:.3g})",
                          gamma if isinstance(gamma, Tensor) else None)
     return gamma_t
-
-
-# --------------------------------------------------------------------------- the two forms
-
-
-def _retention_recurrent(q, k, v, gamma, S0):
-    """``S_t = γ S_{t-1} + k_t v_tᵀ`` token by token; gamma (H,)."""
-    S = zeros_state(k, v, S0)
-    g = gamma.view(1, -1, 1, 1)
-    outs = []
-    for t in range(k.shape[2]):
-        S = torch.addcmul(g * S, k[:, :, t].unsqueeze(-1), v[:, :, t].unsqueeze(-2))
-        outs.append(read(q[:, :, t], S))
-    return torch.stack(outs, dim=2), S
-
-
-def _retention_chunk(q, k, v, gamma, S0, chunk_size):
-    """Chunkwise retention; gamma (H,) in (0, 1].
-
-    Per chunk with ``n`` real tokens (``n = C`` except maybe the last) and ``t, s`` counted
-    from 0 inside it: intra ``D_ts = γ^(t−s)`` for ``s <= t``; a query reads the state with
-    ``γ^(t+1)``; a key enters the next state with ``γ^(n−1−s)``; the state decays by ``γ^n``.
-    Every factor is ``γ`` to a non-negative integer power, computed by ``torch.pow``, whose
-    gradient ``m γ^(m−1)`` is formed directly: no ``exp`` of a positive number, and no
-    ``(1/γ)`` factor that would overflow (``1/γ`` is ``inf`` in float32 for a subnormal
-    ``γ = 1e-45``) or amplify the rounding of ``γ^m`` (as the chain rule through ``log γ``
-    would: ``∂γ^m/∂γ = m γ^m · (1/γ)``).
-    """
-    from ..kernels import cpu
-
-    B, H, T, Dk = k.shape
-    if cpu.delta_kernel_usable(q, k, v, gamma, S0):                  # LINATTN_CPU_KERNEL=1: the compiled loop
-        alpha = gamma.view(1, H, 1).expand(B, H, T)                   # autograd sums its gradient into gamma
-        return cpu.decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
-    C, N = num_chunks(T, chunk_size)
-    qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
-    dev, acc = q.device, q.dtype
-    t = torch.arange(C, device=dev)
-    g3 = gamma.view(H, 1, 1)
-    causal = torch.ones(C, C, dtype=acc, device=dev).tril()            # 0/1, (C, C)
-    intra = g3 ** (t[:, None] - t[None, :]).clamp(min=0).to(acc) * causal   # (H, C, C): γ^(t−s), s <= t
-    # tril_ first: the products with later keys may overflow, and inf · 0 would be NaN
-    scores = (qc @ kc.transpose(-1, -2)).tril_() * intra.unsqueeze(1)  # (B, H, N, C, C)
-    out = scores @ vc                                                  # (B, H, N, C, Dv)
-
-    n_real = (T - torch.arange(N, device=dev) * C).clamp(max=C)        # (N,) real tokens per chunk
-    pos = torch.minimum(t[None, :] + 1, n_real[:, None])               # (N, C): 1..n, then n on padding
-    q_decay = g3 ** pos.to(acc)                                        # (H, N, C): γ^(t+1)
-    k_decay = g3 ** (n_real[:, None] - pos).to(acc)                    # (H, N, C): γ^(n−1−s), exponent >= 0
-    chunk_decay = gamma.view(H, 1) ** n_real.to(acc)                   # (H, N): γ^n
-    U = (kc * k_decay.unsqueeze(-1)).transpose(-1, -2) @ vc            # (B, H, N, Dk, Dv)
-    S_before, S = scan(zeros_state(k, v, S0), lambda S, d, u: d * S + u,
-                        chunk_decay.view(1, H, N, 1, 1), U)
-    out = out + (qc * q_decay.unsqueeze(-1)) @ S_before                # (B, H, N, C, Dv)
-    return from_chunks(out, T), S

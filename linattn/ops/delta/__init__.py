@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-import torch
 from torch import Tensor
 
-from .. import _checks
-from ._common import (Result, check_like_q, finish, from_chunks, num_chunks, prepare, read, run, to_chunks,
-                      zeros_state)
-from ._wy import wy_chunk
-from .._numerics import no_autocast
-from ..feature_maps import FeatureMap
+from ... import _checks, backends
+from ..._numerics import no_autocast
+from ...feature_maps import FeatureMap
+from .._common import Result, check_like_q, output_and_state, prepare, run, zeros_state
+from .chunk import chunk_delta_rule
+from .naive import recurrent_delta_rule
 
-__all__ = ['delta_rule']
+__all__ = ["delta_rule", "recurrent_delta_rule", "chunk_delta_rule"]
 
 
 def delta_rule(
@@ -106,39 +105,16 @@ def delta_rule(
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
         beta = beta.to(p.acc)
-        out, S = run(p, lambda: _delta_recurrent(p.q, p.k, p.v, beta, p.S0),
-                      lambda q, k, v: _delta_chunk(q, k, v, beta, p.S0, p.chunk_size))
-    return finish(out, S, q.dtype, p.return_state)
+        out, S = run(p, lambda: recurrent_delta_rule(p.q, p.k, p.v, beta, p.S0),
+                     lambda q, k, v: _chunk(q, k, v, beta, p.S0, p.chunk_size))
+    return output_and_state(out, S, q.dtype, p.return_state)
 
 
-# --------------------------------------------------------------------------- the two forms
-
-
-def _delta_recurrent(q, k, v, beta, S0):
-    """``S_t = S_{t-1} + β_t k_t (v_t − S_{t-1}ᵀ k_t)ᵀ`` token by token."""
-    S = zeros_state(k, v, S0)
-    outs = []
-    for t in range(k.shape[2]):
-        k_t = k[:, :, t]                                                 # (B, H, Dk)
-        u = beta[:, :, t].unsqueeze(-1) * (v[:, :, t] - read(k_t, S))  # (B, H, Dv)
-        S = torch.addcmul(S, k_t.unsqueeze(-1), u.unsqueeze(-2))
-        outs.append(read(q[:, :, t], S))
-    return torch.stack(outs, dim=2), S
-
-
-def _delta_chunk(q, k, v, beta, S0, chunk_size):
-    """Chunkwise delta rule through the WY / UT representation (see :func:`delta_rule`).
-
-    Padded tokens have ``k = v = q = 0`` and ``β = 0``: they leave the state unchanged.
-    """
-    from ..kernels import cpu
-
+def _chunk(q, k, v, beta, S0, chunk_size):
+    """The chunk method on the backend :mod:`linattn.backends` picks."""
     S0 = zeros_state(k, v, S0)
-    if cpu.delta_kernel_usable(q, k, v, beta, S0):                   # LINATTN_CPU_KERNEL=1: the compiled loop
-        return cpu.delta_rule_cpu(q, k, v, beta, None, S0, chunk_size)
-    B, H, T, Dk = k.shape
-    C, N = num_chunks(T, chunk_size)
-    qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)
-    bc = to_chunks(beta.unsqueeze(-1), N, C)                          # (B, H, N, C, 1)
-    out, S = wy_chunk(qc, kc, vc, bc, S0)                             # see linattn.ops._wy
-    return from_chunks(out, T), S
+    if backends.select("delta_rule", q, k, v, beta, S0) == "cpu":
+        from ...kernels.cpu import delta_rule_cpu
+
+        return delta_rule_cpu(q, k, v, beta, None, S0, chunk_size)
+    return chunk_delta_rule(q, k, v, beta, S0, chunk_size)

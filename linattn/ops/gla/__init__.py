@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks
-from ._decay import gla_chunk, padded_chunk
-from ._common import (LOG_G_FLOOR, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
-                      read, run, to_chunks, zeros_state)
-from .._numerics import no_autocast
-from ..feature_maps import FeatureMap
+from ... import _checks, backends
+from ..._numerics import LOG_G_FLOOR, no_autocast
+from ...feature_maps import FeatureMap
+from .._common import Result, check_like_q, output_and_state, prepare, run, zeros_state
+from .chunk import chunk_gated_linear_attention
+from .naive import recurrent_gated_linear_attention
 
-__all__ = ['gated_linear_attention']
+__all__ = ["gated_linear_attention", "recurrent_gated_linear_attention", "chunk_gated_linear_attention"]
 
 
 def gated_linear_attention(
@@ -106,45 +104,16 @@ def gated_linear_attention(
     _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (g = exp(log_g) in (0, 1])")
     with no_autocast(q.device):
         log_g = log_g.to(p.acc)
-        out, S = run(p, lambda: _gla_recurrent(p.q, p.k, p.v, log_g, p.S0),
-                      lambda q, k, v: _gla_chunk(q, k, v, log_g, p.S0, p.chunk_size))
-    return finish(out, S, q.dtype, p.return_state)
+        out, S = run(p, lambda: recurrent_gated_linear_attention(p.q, p.k, p.v, log_g, p.S0),
+                     lambda q, k, v: _chunk(q, k, v, log_g, p.S0, p.chunk_size))
+    return output_and_state(out, S, q.dtype, p.return_state)
 
 
-# --------------------------------------------------------------------------- the two forms
+def _chunk(q, k, v, log_g, S0, chunk_size):
+    """The chunk method on the backend :mod:`linattn.backends` picks."""
+    if backends.select("gated_linear_attention", q, k, v, log_g, S0) == "cpu":
+        from ...kernels.cpu import decay_cpu
 
-
-def _gla_recurrent(q, k, v, log_g, S0):
-    """``S_t = diag(exp(log_g_t)) S_{t-1} + k_t v_tᵀ`` token by token."""
-    S = zeros_state(k, v, S0)
-    outs = []
-    for t in range(k.shape[2]):
-        S = torch.addcmul(log_g[:, :, t].exp().unsqueeze(-1) * S, k[:, :, t].unsqueeze(-1), v[:, :, t].unsqueeze(-2))
-        outs.append(read(q[:, :, t], S))
-    return torch.stack(outs, dim=2), S
-
-
-def _gla_chunk(q, k, v, log_g, S0, chunk_size):
-    """Chunkwise GLA (see :func:`gated_linear_attention` and :mod:`linattn.ops._decay`).
-
-    Each chunk is zero-padded to ``Cp``, a power of two: padded tokens have ``k = v = q = 0``
-    and ``log_g = 0`` (no decay), so they change nothing. Per chunk: ``O = A V + (Q ⊙
-    from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``, with ``A`` the decayed causal scores.
-    """
-    from ..kernels import cpu
-
-    B, H, T, Dk = k.shape
-    log_g = log_g.clamp(min=LOG_G_FLOOR)                               # see LOG_G_FLOOR
-    if cpu.delta_kernel_usable(q, k, v, log_g, S0):                  # LINATTN_CPU_KERNEL=1: the compiled loop
-        alpha = log_g.exp_()                                           # in place: clamp's output is our own
-        return cpu.decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
-    C, N = num_chunks(T, chunk_size)
-    Cp = padded_chunk(C)
-
-    def chunks(x: Tensor) -> Tensor:                                   # (B, H, N, Cp, ·)
-        x = to_chunks(x, N, C)
-        return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
-
-    qc, kc, vc, gc = (chunks(x) for x in (q, k, v, log_g))
-    out, S = gla_chunk(qc, kc, vc, gc, zeros_state(k, v, S0))
-    return from_chunks(out[:, :, :, :C], T), S
+        alpha = log_g.clamp(min=LOG_G_FLOOR).exp_()                   # in place: clamp's output is our own
+        return decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
+    return chunk_gated_linear_attention(q, k, v, log_g, S0, chunk_size)

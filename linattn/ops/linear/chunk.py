@@ -1,27 +1,13 @@
-"""Plain (normalised) linear attention, the first operator family: its algorithms side by side.
+"""The chunkwise form of causal linear attention, organised for speed: :func:`chunkwise_linear_attention`.
 
-- :func:`parallel_linear_attention` (non-causal ``φ(Q)(φ(K)ᵀV)``), :func:`quadratic_linear_attention`
-  (the masked ``T×T`` form) and :func:`recurrent_linear_attention` (the token loop, the RNN view of
-  Katharopoulos et al., 2020, eqs. 18-20; the test oracle) work on features with the normaliser
-  carried as an extra value column of ones;
-- :func:`chunk_linear_attention` is the chunkwise form as a clear loop over chunks, and
-  :func:`chunkwise_linear_attention` the same mathematics organised for speed (what
-  ``method="chunk"`` runs), with a hand-written backward.
-
-Chunkwise-parallel causal linear attention:
-
-Split the sequence into chunks of ``C`` tokens. Inside a chunk, attention is the
-small masked quadratic form; across chunks, a query reads the state ``S`` that
-summarises every earlier chunk (Hua et al., 2022, sec. 3.3; Yang et al., 2024,
-sec. 2.2)::
+Split the sequence into chunks of ``C`` tokens; inside a chunk, attention is the small masked
+quadratic form, across chunks a query reads the state ``S`` of every earlier chunk (Hua et al.,
+2022, sec. 3.3; Yang et al., 2024, sec. 2.2)::
 
     Y_c = φ(Q_c) S_{c-1} + tril(φ(Q_c) φ(K_c)ᵀ) V_c,     S_c = S_{c-1} + φ(K_c)ᵀ V_c
 
-Cost per head: ``O(T·C·(M + Dv) + T·M·Dv)`` time. Run as a loop over chunks
-(:func:`chunk_linear_attention`, the clear reference) it holds one ``C×C`` block and one
-``M×Dv`` state per head at a time; run batched over all chunks
-(:func:`chunkwise_linear_attention`, the fast path) it holds ``(T/C)·C²`` scores and
-``(T/C)·M·Dv`` chunk states per head.
+All chunks of all heads go through a few batched matmuls; the backward is written by hand.
+Its readable twin and test oracle is :func:`linattn.ops.linear.naive.naive_chunk_linear_attention`.
 """
 from __future__ import annotations
 
@@ -31,46 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, masked_matmul, no_autocast
+from ..._autograd import NO_SECOND_DERIVATIVE
+from ..._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, no_autocast
+from .naive import naive_chunk_linear_attention
 
-__all__ = ["chunk_linear_attention", "chunkwise_linear_attention", "parallel_linear_attention",
-           "quadratic_linear_attention", "recurrent_linear_attention"]
-
-
-def chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
-                           chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Causal linear attention on features, chunk by chunk (the clear reference version).
-
-    Parameters
-    ----------
-    phi_q, phi_k : Tensor
-        ``(B, H, T, M)`` features of the queries and keys.
-    v : Tensor
-        ``(B, H, T, Dv)`` values. (``linear_attention`` passes values with an extra
-        column of ones, whose output column is the normaliser.)
-    S0 : Tensor or None
-        ``(B, H, M, Dv)`` state before the first token; None means zeros.
-    chunk_size : int
-        Tokens per chunk ``C >= 1``; the last chunk holds the remaining ``T mod C`` tokens.
-
-    Returns
-    -------
-    out : Tensor
-        ``(B, H, T, Dv)``, the unnormalised causal outputs ``Σ_{j<=i} φ(q_i)ᵀφ(k_j) v_j``
-        (plus ``φ(q_i)ᵀS0``).
-    S : Tensor
-        ``(B, H, M, Dv)``, the state after the last token.
-    """
-    B, H, T, M = phi_k.shape
-    S = S0 if S0 is not None else phi_k.new_zeros(B, H, M, v.shape[-1])
-    outs = []
-    for start in range(0, T, chunk_size):
-        stop = min(start + chunk_size, T)
-        q_c, k_c, v_c = phi_q[:, :, start:stop], phi_k[:, :, start:stop], v[:, :, start:stop]
-        scores = (q_c @ k_c.transpose(-1, -2)).tril()         # (B, H, C, C) within the chunk
-        outs.append(q_c @ S + scores @ v_c)                    # (B, H, C, Dv) earlier chunks + this one
-        S = S + k_c.transpose(-1, -2) @ v_c                    # (B, H, M, Dv)
-    return torch.cat(outs, dim=2), S
+__all__ = ["chunkwise_linear_attention"]
 
 
 def _chunk_buffer(like: Tensor, BH: int, N: int, *rest: int) -> Tensor:
@@ -155,7 +106,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
     ``torch.func``: forward and backward each have a ``vmap`` rule (the vmapped dimension is
     folded into the batch); the forward mode (``jvp``, in the subclass
     :class:`_ChunkwiseLinearAttentionWithJvp`) is derived from the trilinear form with the
-    reference loop :func:`chunk_linear_attention`; second derivatives are refused.
+    reference loop :func:`~linattn.ops.linear.naive.naive_chunk_linear_attention`; second derivatives are refused.
     """
 
     @staticmethod
@@ -248,9 +199,9 @@ class _ChunkwiseLinearAttentionWithJvp(_ChunkwiseLinearAttention):
             t_v_aug = torch.cat([zero(v) if t_v is None else t_v, zero(ones)], dim=-1)
             t_S0_aug = _augmented_state(t_S0, t_z0, phi_q, v) if (t_S0 is not None or t_z0 is not None) else None
             # out_aug(q, k, v_aug, S0_aug) is linear in q, in k and in (v_aug, S0_aug) separately.
-            d_out = (chunk_linear_attention(t_q, phi_k, v_aug, S0_aug, C)[0]
-                     + chunk_linear_attention(phi_q, t_k, v_aug, None, C)[0]
-                     + chunk_linear_attention(phi_q, phi_k, t_v_aug, t_S0_aug, C)[0])   # (B, H, T, Dv + 1)
+            d_out = (naive_chunk_linear_attention(t_q, phi_k, v_aug, S0_aug, C)[0]
+                     + naive_chunk_linear_attention(phi_q, t_k, v_aug, None, C)[0]
+                     + naive_chunk_linear_attention(phi_q, phi_k, t_v_aug, t_S0_aug, C)[0])   # (B, H, T, Dv + 1)
             d_state = t_k.transpose(-1, -2) @ v_aug + phi_k.transpose(-1, -2) @ t_v_aug
             if t_S0_aug is not None:
                 d_state = d_state + t_S0_aug                                        # (B, H, M, Dv + 1)
@@ -364,11 +315,11 @@ class _ChunkwiseLinearAttentionBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         # Reached only by a second derivative (create_graph=True, torch.func.hessian, ...): refuse it
         # loudly rather than let autograd treat these gradients as constants.
-        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+        raise RuntimeError(NO_SECOND_DERIVATIVE)
 
     @staticmethod
     def jvp(ctx, *tangents):
-        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+        raise RuntimeError(NO_SECOND_DERIVATIVE)
 
     @staticmethod
     def vmap(info, in_dims, g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before,
@@ -378,12 +329,6 @@ class _ChunkwiseLinearAttentionBackward(torch.autograd.Function):
         args = [_fold(x, d, V) for x, d in zip(tensors, in_dims[:12])]
         out = _ChunkwiseLinearAttentionBackward.apply(*args, normalize, C, T)
         return tuple(_unfold(o, V) for o in out), (0,) * len(out)
-
-
-_NO_SECOND_DERIVATIVE = (
-    "second derivatives (double backward with create_graph=True, torch.func.hessian, forward mode over a "
-    "gradient, ...) through the chunkwise linear attention are not supported; use method='quadratic' or "
-    "method='recurrent' for higher-order gradients")
 
 
 def _normaliser_states(k_c: Tensor, BH: int, N: int, M: int, z0: Optional[Tensor],
@@ -411,7 +356,7 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
                                chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
     """Fast chunkwise causal linear attention on features (what ``method="chunk"`` runs).
 
-    Same mathematics as :func:`chunk_linear_attention`, organised for speed and memory:
+    Same mathematics as :func:`~linattn.ops.linear.naive.naive_chunk_linear_attention`, organised for speed and memory:
     all chunks of all heads go through a handful of batched matmuls; the exclusive prefix
     over chunk states is a scan of in-place additions, one chunk at a time (on the CPU a
     ``cumsum_`` along that strided dimension was measured several times slower); the
@@ -467,58 +412,3 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     poison = CausalPoison(phi_q, phi_k, v)
     out = fn.apply(poison.q, poison.k, poison.v, S0, z0, normalize, eps, chunk_size)
     return poison.outputs(out[0]), poison.state(out[1]), poison.normaliser(out[2])
-
-
-# --------------------------------------------------------------------------- the reference algorithms
-
-
-def step_features(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S_aug: Tensor) -> tuple[Tensor, Tensor]:
-    """One recurrence step on features: ``S_t = S_{t-1} + φ(k_t)[v_t, 1]ᵀ``, output ``φ(q_t)ᵀS_t``.
-
-    phi_q, phi_k (B, H, M); v_aug (B, H, Dv + 1); S_aug (B, H, M, Dv + 1).
-    Returns the augmented output (B, H, Dv + 1) and the new state.
-    """
-    S_aug = S_aug + phi_k.unsqueeze(-1) * v_aug.unsqueeze(-2)     # (B, H, M, Dv + 1)
-    out_aug = (phi_q.unsqueeze(-2) @ S_aug).squeeze(-2)          # (B, H, Dv + 1)
-    return out_aug, S_aug
-
-
-def parallel_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Non-causal ``φ(Q)(φ(K)ᵀ[V, 1])``: the summary first, then every query reads it."""
-    S = phi_k.transpose(-1, -2) @ v_aug                  # (B, H, M, Dv + 1)
-    if S0 is not None:
-        S = S0 + S
-    return phi_q @ S, S                                  # (B, H, Tq, Dv + 1)
-
-
-def quadratic_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor], causal: bool,
-               need_state: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """``(φ(Q)φ(K)ᵀ ⊙ mask)[V, 1]``: the Tq×Tk matrix first, as softmax attention does."""
-    scores = phi_q @ phi_k.transpose(-1, -2)             # (B, H, Tq, Tk)
-    if causal:
-        scores = scores.tril()
-        if compiling() or not all_finite(v_aug):         # a NaN/inf value must not reach earlier rows
-            causal_ones = torch.ones(scores.shape[-2:], dtype=scores.dtype, device=scores.device).tril()
-            out_aug = masked_matmul(scores, v_aug, causal_ones)
-        else:
-            out_aug = scores @ v_aug                     # (B, H, Tq, Dv + 1)
-    else:
-        out_aug = scores @ v_aug                         # (B, H, Tq, Dv + 1)
-    if S0 is not None:
-        out_aug = out_aug + phi_q @ S0
-    S = None
-    if need_state:
-        S = phi_k.transpose(-1, -2) @ v_aug
-        S = S if S0 is None else S0 + S
-    return out_aug, S
-
-
-def recurrent_linear_attention(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S0: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The RNN view: one :func:`step_features` per token (slow in Python; the test oracle)."""
-    B, H, T, M = phi_k.shape
-    S = S0 if S0 is not None else phi_k.new_zeros(B, H, M, v_aug.shape[-1])
-    outs = []
-    for t in range(T):
-        out_t, S = step_features(phi_q[:, :, t], phi_k[:, :, t], v_aug[:, :, t], S)
-        outs.append(out_t)
-    return torch.stack(outs, dim=2), S                   # (B, H, T, Dv + 1)

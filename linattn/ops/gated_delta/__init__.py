@@ -18,19 +18,16 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks
-from .._numerics import no_autocast
-from ..feature_maps import FeatureMap
-from ._wy import wy_chunk, wy_chunk_channel
-from ._decay import padded_chunk
-from ._common import (LOG_G_FLOOR, Result, check_like_q, finish, from_chunks, num_chunks, prepare,
-                      read, run, to_chunks, zeros_state)
+from ... import _checks, backends
+from ..._numerics import LOG_G_FLOOR, no_autocast
+from ...feature_maps import FeatureMap
+from .._common import Result, check_like_q, output_and_state, prepare, run, zeros_state
+from .chunk import chunk_gated_delta_rule
+from .naive import recurrent_gated_delta_rule
 
-__all__ = ["gated_delta_rule"]
+__all__ = ["gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule"]
 
 
 def gated_delta_rule(
@@ -158,52 +155,18 @@ def gated_delta_rule(
     _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (α = exp(log_g) in (0, 1])")
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
-        per_channel = log_g.dim() == 4
-        log_g = (log_g if per_channel else log_g.unsqueeze(-1)).to(p.acc)          # (B, H, T, Dk or 1)
+        log_g = log_g.to(p.acc)                                       # (B, H, T) or (B, H, T, Dk)
         beta = beta.to(p.acc)
-        out, S = run(p, lambda: _gated_delta_recurrent(p.q, p.k, p.v, log_g, beta, p.S0),
-                     lambda q, k, v: _gated_delta_chunk(q, k, v, log_g, beta, p.S0, p.chunk_size, per_channel))
-    return finish(out, S, q.dtype, p.return_state)
+        out, S = run(p, lambda: recurrent_gated_delta_rule(p.q, p.k, p.v, log_g, beta, p.S0),
+                     lambda q, k, v: _chunk(q, k, v, log_g, beta, p.S0, p.chunk_size))
+    return output_and_state(out, S, q.dtype, p.return_state)
 
 
-# --------------------------------------------------------------------------- the two forms
+def _chunk(q, k, v, log_g, beta, S0, chunk_size):
+    """The chunk method on the backend :mod:`linattn.backends` picks."""
+    if backends.select("gated_delta_rule", q, k, v, log_g, beta, S0) == "cpu":
+        from ...kernels.cpu import delta_rule_cpu
 
-
-def _gated_delta_recurrent(q, k, v, log_g, beta, S0):
-    """Token by token: decay ``S`` by ``α_t`` (per head or per key channel), then the delta step."""
-    S = zeros_state(k, v, S0)
-    outs = []
-    for t in range(k.shape[2]):
-        S = log_g[:, :, t].exp().unsqueeze(-1) * S                      # diag(α_t) S_{t-1}
-        k_t = k[:, :, t]                                                # (B, H, Dk)
-        u = beta[:, :, t].unsqueeze(-1) * (v[:, :, t] - read(k_t, S))  # (B, H, Dv)
-        S = torch.addcmul(S, k_t.unsqueeze(-1), u.unsqueeze(-2))
-        outs.append(read(q[:, :, t], S))
-    return torch.stack(outs, dim=2), S
-
-
-def _gated_delta_chunk(q, k, v, log_g, beta, S0, chunk_size, per_channel):
-    """Chunkwise gated delta rule through the WY / UT representation (see :func:`gated_delta_rule`).
-
-    Padded tokens have ``k = v = q = 0``, ``β = 0`` and ``log_g = 0``: they leave the state unchanged.
-    """
-    from ..kernels import cpu
-
-    B, H, T, Dk = k.shape
-    log_g = log_g.clamp(min=LOG_G_FLOOR)                                # see LOG_G_FLOOR
-    S0 = zeros_state(k, v, S0)
-    if cpu.delta_kernel_usable(q, k, v, log_g, beta, S0):             # LINATTN_CPU_KERNEL=1: the compiled loop
-        return cpu.delta_rule_cpu(q, k, v, beta, log_g, S0, chunk_size)
-    C, N = num_chunks(T, chunk_size)
-    Cp = padded_chunk(C) if per_channel else C
-
-    def chunks(x: Tensor) -> Tensor:                                    # (B, H, N, Cp, ·)
-        x = to_chunks(x, N, C)
-        return x if Cp == C else F.pad(x, (0, 0, 0, Cp - C))
-
-    qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, log_g, beta.unsqueeze(-1)))
-    if per_channel:                                                     # linattn.ops._wy with linattn.ops._decay
-        out, S = wy_chunk_channel(qc, kc, vc, bc, S0, gc)
-        return from_chunks(out[:, :, :, :C], T), S
-    out, S = wy_chunk(qc, kc, vc, bc, S0, gc)        # one gate per head: linattn.ops._wy
-    return from_chunks(out, T), S
+        g = (log_g if log_g.dim() == 4 else log_g.unsqueeze(-1)).clamp(min=LOG_G_FLOOR)   # see LOG_G_FLOOR
+        return delta_rule_cpu(q, k, v, beta, g, zeros_state(k, v, S0), chunk_size)
+    return chunk_gated_delta_rule(q, k, v, log_g, beta, S0, chunk_size)
