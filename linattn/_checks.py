@@ -323,3 +323,35 @@ def apply_feature_map(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     if phi_q.dtype != q.dtype or phi_k.dtype != k.dtype:
         phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(k.dtype)
     return phi_q, phi_k
+
+
+def check_floating(x: Tensor, name: str) -> None:
+    """``x`` is a floating-point tensor."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_int_at_least(value, name: str, minimum: int) -> int:
+    """A Python or NumPy integer >= ``minimum``, returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_strict_bool(value, name: str) -> None:
+    """``value`` is a Python bool (NumPy's is refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_positive_finite(value, name: str) -> float:
+    """A positive finite Python or NumPy real number, returned as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return float(value)

@@ -1,0 +1,135 @@
+"""Elementwise feature maps with no target kernel: elu+1, ReLU, squared ReLU."""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._checks import check_floating
+
+__all__ = ['elu_plus_one', 'relu', 'squared_relu']
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    """φ(x) = elu(x) + 1, the feature map of "Transformers are RNNs".
+
+    Katharopoulos et al. (2020), eq. 7; ELU from Clevert et al. (2016). Elementwise:
+    ``x + 1`` for ``x > 0`` and ``exp(x)`` for ``x <= 0``, so every feature is strictly
+    positive (but not bounded below by 1: it tends to 0 as ``x -> -inf``). It does not
+    approximate a particular kernel; it only makes ``φ(q)ᵀφ(k)`` positive.
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``(0, inf)`` until
+        ``exp(x)`` underflows (``x < -103`` in float32): ``exp(x)`` is computed directly,
+        never as ``elu(x) + 1``, whose ``-1 + 1`` cancels to exactly 0 from ``x ≈ -17``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    check_floating(x, "x")
+    if torch._C._are_functorch_transforms_active():
+        return _EluPlusOneWithJvp.apply(x)
+    return _EluPlusOne.apply(x)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes.
+
+    Written in the ``setup_context`` style with a generated ``vmap`` rule (and, in
+    :class:`_EluPlusOneWithJvp`, a forward-mode rule), so that ``torch.func`` transforms
+    (``vmap``, ``grad``, ``jvp``, ``jacrev``, ``hessian``) work through it.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        (x,) = inputs
+        ctx.save_for_backward(x, output)
+        ctx.save_for_forward(x, output)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        x, y = ctx.saved_tensors
+        # dφ/dx = 1 for x > 0 and e^x = φ(x) for x <= 0. Written with the saved output,
+        # this backward is itself differentiable (second derivatives work).
+        return torch.where(x > 0, grad, grad * y)
+
+
+
+class _EluPlusOneWithJvp(_EluPlusOne):
+    """:class:`_EluPlusOne` with its forward-mode rule: used only under ``torch.func`` transforms
+    (``torch.compile`` cannot trace a Function with ``jvp`` when gradients are needed)."""
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor) -> Tensor:
+        x, y = ctx.saved_tensors
+        return torch.where(x > 0, tangent, tangent * y)
+
+
+def relu(x: Tensor) -> Tensor:
+    """φ(x) = max(x, 0), the ReLU feature map (used e.g. by cosFormer, Qin et al. 2022, eq. 7).
+
+    Non-negative but not strictly positive: a query whose features are all zero, or one
+    orthogonal to every key's features, has a zero normaliser; ``linear_attention``'s
+    ``eps`` keeps that finite. No target kernel.
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``[0, inf)``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    check_floating(x, "x")
+    return F.relu(x)
+
+
+def squared_relu(x: Tensor) -> Tensor:
+    """φ(x) = max(x, 0)², elementwise.
+
+    The squared-ReLU activation of Primer (So et al., 2021), which FLASH (Hua et al.,
+    2022) applies to attention scores, ``relu(qᵀk)²``; used here as a feature map, so that
+    ``φ(q)ᵀφ(k) = Σ_d relu(q_d)² relu(k_d)²``. No target kernel: it is a heuristic that
+    is peakier than :func:`relu` (it grows quadratically with the inputs) and, like it,
+    can give a zero normaliser.
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``[0, inf)``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    check_floating(x, "x")
+    return F.relu(x).square()
