@@ -12,10 +12,8 @@ from .ops.gla import gated_linear_attention
 from .ops.delta import delta_rule
 from .ops.gated_delta import gated_delta_rule
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
-from .mixers import LinearMixer, ShortConvolution
-from .positions import apply_rope
-from .layers import (LinearAttention, LinearMultiheadAttention, SoftmaxAttention, TransformerBlock,
-                     TransformerConfig, TransformerLM)
+from .layers import LinearAttention, LinearMixer, LinearMultiheadAttention, ShortConvolution, SoftmaxAttention, apply_rope
+from .models import TransformerBlock, TransformerConfig, TransformerLM
 from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 

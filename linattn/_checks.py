@@ -355,3 +355,12 @@ def check_positive_finite(value, name: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a positive finite number, got {value}")
     return float(value)
+
+
+def check_non_negative_int(value, name: str) -> int:
+    """``value`` is a Python or NumPy integer >= 0; returns it as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)

@@ -9,7 +9,7 @@ import torch
 import linattn
 from linattn import (DecodingState, KVCache, LinearAttention, LinearAttentionState, LinearMixer, MixerState,
                      SoftmaxAttention, TransformerConfig, TransformerLM)
-from linattn.layers import ATTENTIONS
+from linattn.models import ATTENTIONS
 
 VOCAB = 23
 HYBRID = ["gated_delta", "softmax", "linear", "kda", "retention", "gla", "delta"]

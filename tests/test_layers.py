@@ -6,14 +6,9 @@ import torch
 
 import linattn
 from linattn import tasks
-from linattn.layers import (
-    DecodingState,
-    KVCache,
-    LinearAttention,
-    SoftmaxAttention,
-    TransformerBlock,
-    TransformerLM,
-)
+from linattn.layers import LinearAttention, SoftmaxAttention
+from linattn.models import TransformerBlock, TransformerLM
+from linattn.state import DecodingState, KVCache
 
 ATTENTIONS = ["linear", "softmax"]
 KV_HEADS = [None, 2, 1]   # multi-head, grouped-query (2 groups of 2), multi-query

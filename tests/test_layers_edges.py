@@ -7,14 +7,10 @@ import torch
 
 import linattn
 from linattn import LinearAttentionState
-from linattn.layers import (
-    DecodingState,
-    KVCache,
-    LinearAttention,
-    SoftmaxAttention,
-    TransformerBlock,
-    TransformerLM,
-)
+from linattn.layers import LinearAttention, SoftmaxAttention
+from linattn.models import TransformerBlock, TransformerLM
+from linattn.state import DecodingState, KVCache
+from linattn.models.generation import sample_next
 
 VOCAB = 29
 
@@ -381,7 +377,7 @@ def test_tiny_temperature_is_greedy_with_ties(temperature):
     out = model.generate(idx, 6, temperature=temperature, generator=torch.Generator().manual_seed(0))
     assert torch.equal(out, greedy)
     tied = torch.tensor([[1.0, 3.0, 3.0, -2.0]]).expand(4000, 4)           # two most likely tokens, tied
-    draws = TransformerLM._pick(tied, temperature, None, torch.Generator().manual_seed(0))[:, 0]
+    draws = sample_next(tied, temperature, None, torch.Generator().manual_seed(0))[:, 0]
     counts = torch.bincount(draws, minlength=4)
     assert counts[0] == counts[3] == 0 and abs(int(counts[1]) - 2000) < 200   # uniform among the ties
 
@@ -391,7 +387,7 @@ def test_sampling_draws_from_the_tempered_softmax(temperature, top_k):
     """Frequencies of many draws agree with the float64 reference (huge temperatures: uniform)."""
     logits = torch.tensor([[2.0, 0.5, -1.0, 1.5, 1.5]])
     n = 20000
-    draws = TransformerLM._pick(logits.expand(n, 5), temperature, top_k, torch.Generator().manual_seed(1))
+    draws = sample_next(logits.expand(n, 5), temperature, top_k, torch.Generator().manual_seed(1))
     freq = torch.bincount(draws[:, 0], minlength=5).double() / n
     if temperature < 1e-200:                                               # the limit: the argmax
         expected = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)

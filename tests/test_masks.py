@@ -10,7 +10,8 @@ import torch
 
 import linattn
 from linattn import distributed
-from linattn.layers import LinearAttention, SoftmaxAttention, TransformerBlock, TransformerLM
+from linattn.layers import LinearAttention, SoftmaxAttention
+from linattn.models import TransformerBlock, TransformerLM
 
 B, H, T, D = 2, 2, 7, 4
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import linattn
-from linattn.mixers import RULES, LinearMixer, MixerState, ShortConvolution, retnet_log_gammas
+from linattn.layers import RULES, LinearMixer, ShortConvolution, retnet_log_gammas
+from linattn.state import MixerState
 
 KV_HEADS = [None, 2]     # plain multi-head and grouped-query (2 groups of 2 query heads)
 

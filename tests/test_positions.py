@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn import LinearAttention, SoftmaxAttention, TransformerConfig, TransformerLM, apply_rope
-from linattn.positions import DEFAULT_POSITIONS, POSITIONS
+from linattn.layers.positions import DEFAULT_POSITIONS, POSITIONS
 
 VOCAB = 23
 

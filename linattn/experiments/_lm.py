@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..layers import TransformerLM
+from ..models import TransformerLM
 from ..tasks import CharCorpus, tiny_shakespeare
 
 _CORPUS: Optional[CharCorpus] = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers import TransformerLM
+from ..models import TransformerLM
 from ..tasks import multi_query_associative_recall, recall_accuracy
 from ._lm import adamw_cosine
 

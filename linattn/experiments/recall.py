@@ -37,7 +37,7 @@ from ..attention import linear_attention, softmax_attention
 from ..ops.delta import delta_rule
 from ..ops.gla import gated_linear_attention
 from ..ops.retention import retention
-from ..positions import apply_rope
+from ..layers.positions import apply_rope
 from ..tasks import IGNORE_INDEX, multi_query_associative_recall, recall_accuracy, recall_vocab
 
 __all__ = ["MIXERS", "RecallModel", "make_feature_map", "state_floats", "train_and_evaluate",
