@@ -14,7 +14,7 @@ from .ops.gated_delta import gated_delta_rule
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
 from .layers import LinearAttention, LinearMixer, LinearMultiheadAttention, ShortConvolution, SoftmaxAttention, apply_rope
 from .models import TransformerBlock, TransformerConfig, TransformerLM
-from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
+from .book import book_figure, default_device, finish_figure, set_seed, use_book_style
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 
 __version__ = "0.1.0"

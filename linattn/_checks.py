@@ -364,3 +364,18 @@ def check_non_negative_int(value, name: str) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return int(value)
+
+
+def check_count_in_range(value, name: str, minimum: int, maximum: "int | None" = None, why: str = "") -> None:
+    """``value`` is a Python int in ``[minimum, maximum]`` (``why`` says where the maximum comes from)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum} ({why})" if maximum is not None else ""
+        raise ValueError(f"{name} must be >= {minimum}{upper}, got {value}")
+
+
+def check_generator(generator) -> None:
+    """``generator`` is None or a ``torch.Generator``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

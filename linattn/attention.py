@@ -8,14 +8,16 @@ import torch
 from torch import Tensor
 
 from . import _checks, backends
+from ._deprecated import moved
 from ._numerics import all_finite, compiling, divide_by_normaliser, guarded_normaliser, masked_matmul, no_autocast
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
 from .state import LinearAttentionState, check_initial_state
 
-__all__ = ["softmax_attention", "linear_attention", "linear_attention_step", "METHODS"]
+__all__ = ["softmax_attention", "linear_attention", "linear_attention_step", "LINEAR_ATTENTION_METHODS",
+           "resolve_linear_attention_method"]
 
-METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
+LINEAR_ATTENTION_METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
 
 
 @_checks.reject_key_padding_mask
@@ -225,7 +227,7 @@ def linear_attention(
     eps = _checks.check_eps(eps, acc)
     chunk_size = _checks.check_chunk_size(chunk_size)
     attention_mask = _checks.check_attention_mask(attention_mask, k)
-    method = _resolve_method(method, causal)
+    method = resolve_linear_attention_method(method, causal)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=causal, resumed=initial_state is not None,
                                      same_length=q.shape[2] == k.shape[2], caller="linear_attention")
@@ -318,12 +320,13 @@ def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[Lin
         return None
 
 
-def _resolve_method(method, causal: bool) -> str:
+def resolve_linear_attention_method(method, causal: bool) -> str:
+    """``method`` of :func:`linear_attention` checked against ``causal``; ``"auto"`` resolved."""
     if not isinstance(method, str):
         raise TypeError(f"method must be a str, got {type(method).__name__}")
     method = method.strip().lower()
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
+    if method not in LINEAR_ATTENTION_METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, LINEAR_ATTENTION_METHODS))}")
     if method == "auto":
         return "chunk" if causal else "parallel"
     if causal and method == "parallel":
@@ -432,3 +435,6 @@ def linear_attention_step(
             den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
             out = out / guarded_normaliser(den, eps)[0]
     return out.to(q.dtype), LinearAttentionState(S.contiguous(), z.contiguous())
+
+
+__getattr__ = moved(__name__, {"METHODS": "linattn.attention:LINEAR_ATTENTION_METHODS"})

@@ -385,7 +385,7 @@ KNOWN_WIDE_FIGURES: set[str] = set()
 def test_committed_figures_are_readable_at_column_width(path):
     """At the book style's 110 dpi, a figure wider than the column is shrunk to fit it; its
     smallest text (9 pt legends) must stay at 7 pt or more."""
-    from linattn.utils import COLUMN_WIDTH_IN
+    from linattn.book import COLUMN_WIDTH_IN
 
     column_px = COLUMN_WIDTH_IN * 110
     widest = 0

@@ -696,7 +696,7 @@ def test_local_state_passes_the_offset_to_a_position_dependent_map():
 
 
 def test_the_masked_weighted_sum_leaves_masked_pairs_out():
-    from linattn.distributed import _visible_weighted_sum
+    from linattn.distributed.ring import _visible_weighted_sum
     g = torch.Generator().manual_seed(2)
     p = torch.rand(B, H, 11, 11, generator=g, dtype=torch.float64)
     v = torch.randn(B, H, 11, 4, generator=g, dtype=torch.float64)    # 11 // 4: two tokens a step
@@ -724,7 +724,7 @@ class _CallableObject:
 
 
 def test_feature_maps_are_identified_by_name_arguments_or_configuration():
-    from linattn.distributed import _feature_map_name
+    from linattn.distributed.agreement import _feature_map_name
     from linattn.feature_maps import CosFormerFeatures, TaylorFeatures, resolve_feature_map
     assert _feature_map_name(resolve_feature_map(" ELU+1")) == "linattn.feature_maps.elu_plus_one"
     assert _feature_map_name(linattn.elu_plus_one) == "linattn.feature_maps.elu_plus_one"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.experiments import mqar, recall
-from linattn.tasks import IGNORE_INDEX, multi_query_associative_recall, recall_vocab
+from linattn.data import IGNORE_INDEX, multi_query_associative_recall, recall_vocab
 
 
 def _cell(**kw):

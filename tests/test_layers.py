@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import linattn
-from linattn import tasks
+from linattn import data as tasks
 from linattn.layers import LinearAttention, SoftmaxAttention
 from linattn.models import TransformerBlock, TransformerLM
 from linattn.state import DecodingState, KVCache

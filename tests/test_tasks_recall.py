@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn.tasks import (
+from linattn.data import (
     IGNORE_INDEX,
     multi_query_associative_recall,
     needle_in_a_haystack,

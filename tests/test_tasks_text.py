@@ -8,9 +8,9 @@ import pathlib
 import pytest
 import torch
 
-from linattn import tasks
+from linattn import data as tasks
 
-PACKAGED = pathlib.Path(tasks.__file__).parent / "data" / "tinyshakespeare.txt.gz"
+PACKAGED = pathlib.Path(tasks.__file__).parent / "tinyshakespeare.txt.gz"
 
 
 @pytest.fixture(scope="module")

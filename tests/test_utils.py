@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn import utils
+from linattn import book as utils
+from linattn.book.figures import _smallest_font
 
 mpl = pytest.importorskip("matplotlib", reason='matplotlib is not installed (pip install "linattn[plot]")')
 mpl.use("Agg")
@@ -94,7 +95,7 @@ def test_book_style_text_is_readable_at_column_width():
     _plot(ax)
     ax.legend(["cost"])
     utils.finish_figure(ax, title="t", xlabel="x (s)", ylabel="y (s)")
-    assert utils._smallest_font(fig) >= utils.MIN_FONT_PT
+    assert _smallest_font(fig) >= utils.MIN_FONT_PT
 
 
 @pytest.mark.parametrize("missing", ["title", "xlabel", "ylabel"])

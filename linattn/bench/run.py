@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from ..utils import default_device
+from ..book import default_device
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS, method_fn, unavailable
 from .costs import forward_flops, predict_memory
 from .timing import cpu_name, interleaved_times, paired_ratios, peak_memory, pinned_threads, summarise

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import TransformerLM
-from ..tasks import CharCorpus, tiny_shakespeare
+from ..data import CharCorpus, tiny_shakespeare
 
 _CORPUS: Optional[CharCorpus] = None
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import TransformerLM
-from ..tasks import multi_query_associative_recall, recall_accuracy
+from ..data import multi_query_associative_recall, recall_accuracy
 from ._lm import adamw_cosine
 
 TRAIN_PAIRS = (4, 8, 16)

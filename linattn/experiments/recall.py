@@ -38,7 +38,7 @@ from ..ops.delta import delta_rule
 from ..ops.gla import gated_linear_attention
 from ..ops.retention import retention
 from ..layers.positions import apply_rope
-from ..tasks import IGNORE_INDEX, multi_query_associative_recall, recall_accuracy, recall_vocab
+from ..data import IGNORE_INDEX, multi_query_associative_recall, recall_accuracy, recall_vocab
 
 __all__ = ["MIXERS", "RecallModel", "make_feature_map", "state_floats", "train_and_evaluate",
            "reassigned_key_recall", "TAU"]
