@@ -82,7 +82,7 @@ def test_a_second_phase_reuses_identical_cells_of_the_first(toy, tmp_path, monke
 
 def test_provenance_is_taken_when_the_cells_start(toy, tmp_path, monkeypatch):
     commits = iter(["aaa", "bbb"])
-    monkeypatch.setattr(experiments, "_git_commit", lambda: next(commits))
+    monkeypatch.setattr(experiments.origin, "git_commit", lambda: next(commits))
     doc = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
     assert doc["provenance"]["commit"] == "aaa" and doc["provenance"]["commit_at_end"] == "bbb"
 

@@ -312,5 +312,5 @@ def _cpu_capability() -> Optional[str]:
 
 def _commit():
     """The git commit of the checkout the package runs from (None outside one), as the studies record it."""
-    from ..experiments import _git_commit
-    return _git_commit()
+    from ..experiments.origin import git_commit
+    return git_commit()

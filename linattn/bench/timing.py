@@ -10,7 +10,6 @@ median.
 from __future__ import annotations
 
 import contextlib
-import platform
 import statistics
 import random
 import time
@@ -20,6 +19,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..experiments.origin import cpu_name
 
 try:
     import resource                 # POSIX only: the page-fault counts of interleaved_times
@@ -314,15 +315,3 @@ def pinned_threads(threads: Optional[int]):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-
-
-def cpu_name() -> str:
-    """The CPU model, as /proc/cpuinfo names it (or what platform knows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

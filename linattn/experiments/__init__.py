@@ -34,7 +34,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "results_path"]
+from . import origin
+from .origin import git_commit, provenance, results_path
+
+__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "results_path", "git_commit"]
 
 STUDIES: dict[str, str] = {}
 """Study name -> module: a module of this package (``"recall"``) or a full dotted path."""
@@ -61,49 +64,6 @@ def study(name: str):
 def _module_path(name: str) -> str:
     module = STUDIES[name]
     return module if "." in module else f"{__name__}.{module}"
-
-
-def _repo_root() -> Optional[pathlib.Path]:
-    here = pathlib.Path(__file__).resolve().parents[2]
-    return here if (here / "chapters").is_dir() else None
-
-
-def results_path(name: str) -> pathlib.Path:
-    """Where study ``name`` keeps its results: ``chapters/results/<name>.json`` of the repository."""
-    root = _repo_root() or pathlib.Path.cwd()
-    return root / "chapters" / "results" / f"{name}.json"
-
-
-def _git_commit() -> Optional[str]:
-    root = _repo_root()
-    if root is None:
-        return None
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "linattn"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() + ("+uncommitted changes in linattn/" if dirty else "")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def provenance(threads: int) -> dict:
-    """What identifies the software and machine a result came from."""
-    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_worker": threads,
-            "commit": _git_commit()}
 
 
 def _run_cells(module: str, cells: list[dict], threads: int) -> list[dict]:
@@ -180,7 +140,7 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
                     if progress is not None:
                         progress(_progress_line(len(fresh), len(run), row))
     rows = [reused.get(_cell_key(c)) or fresh[_cell_key(c)] for c in todo]
-    end_commit = _git_commit()
+    end_commit = origin.git_commit()
     if end_commit != prov["commit"]:
         prov["commit_at_end"] = end_commit
     doc = {"study": name, "description": getattr(mod, "DESCRIPTION", ""),
