@@ -167,30 +167,37 @@ def _backward(g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, need
             None if dz0 is None or not (has_z0 and need_z0) else dz0.to(z0.dtype).contiguous())
 
 
+def _forward_and_save(ctx, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size):
+    y, S, z, den, ok = _forward(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
+    ctx.config = (normalize, chunk_size, S0 is not None, z0 is not None)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(phi_q, phi_k, v, y, den, ok, S0, z0)
+    return y, S, z
+
+
+def _saved_backward(ctx, g_out, g_S, g_z, through_elu: bool):
+    grads = _CpuCausalLinearAttentionBackward.apply(g_out, g_S, g_z, *ctx.saved_tensors, ctx.config,
+                                                    tuple(ctx.needs_input_grad[:5]), through_elu)
+    return (*grads, None, None, None)
+
+
 class _CpuCausalLinearAttention(torch.autograd.Function):
     """Forward: one pass and the normaliser; backward: three passes (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
-        y, S, z, den, ok = _forward(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
-        ctx.config = (normalize, chunk_size, S0 is not None, z0 is not None)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(phi_q, phi_k, v, y, den, ok, S0, z0)
-        return y, S, z
+        return _forward_and_save(ctx, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
 
     @staticmethod
     def backward(ctx, g_out, g_S, g_z):
-        grads = _CpuCausalLinearAttentionBackward.apply(g_out, g_S, g_z, *ctx.saved_tensors, ctx.config,
-                                                        tuple(ctx.needs_input_grad[:5]), False)
-        return (*grads, None, None, None)
+        return _saved_backward(ctx, g_out, g_S, g_z, False)
 
 
 class _CpuEluCausalLinearAttention(torch.autograd.Function):
     """As :class:`_CpuCausalLinearAttention`, with φ = elu+1 applied inside: ``q``, ``k`` are raw.
 
-    Only the features are saved; the chain rule through φ uses ``φ'(x) = min(φ(x), 1)``
-    (``e^x`` for ``x <= 0``, 1 above), one pass in the kernel's library instead of three tensor
-    operations and a saved copy of the raw inputs.
+    Only the features are saved; the chain rule through φ uses ``φ'(x) = min(φ(x), 1)`` in one pass
+    of the library.
     """
 
     @staticmethod
@@ -199,17 +206,11 @@ class _CpuEluCausalLinearAttention(torch.autograd.Function):
 
         with torch.no_grad():
             phi_q, phi_k = elu_plus_one(q).contiguous(), elu_plus_one(k).contiguous()
-        y, S, z, den, ok = _forward(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
-        ctx.config = (normalize, chunk_size, S0 is not None, z0 is not None)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(phi_q, phi_k, v, y, den, ok, S0, z0)
-        return y, S, z
+        return _forward_and_save(ctx, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
 
     @staticmethod
     def backward(ctx, g_out, g_S, g_z):
-        grads = _CpuCausalLinearAttentionBackward.apply(g_out, g_S, g_z, *ctx.saved_tensors, ctx.config,
-                                                        tuple(ctx.needs_input_grad[:5]), True)
-        return (*grads, None, None, None)
+        return _saved_backward(ctx, g_out, g_S, g_z, True)
 
 
 class _CpuCausalLinearAttentionBackward(torch.autograd.Function):
