@@ -28,8 +28,17 @@ def check_tensor(x, name: str, ndim: int, layout: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {shape_str(x.shape)}")
-    if any(s == 0 for s in x.shape):
+    if 0 in x.shape:
         raise ValueError(f"{name} must not have an empty dimension, got shape {shape_str(x.shape)}")
+
+
+def step_inputs_ok(q, k, v) -> bool:
+    """Whether ``q``, ``k`` ``(B, H, D)`` and ``v`` ``(B, H, Dv)`` pass every check of a decoding step:
+    floating tensors of one dtype and device, no empty dimension (one test, no message)."""
+    return (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and q.is_floating_point()
+            and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+            and q.shape == k.shape and q.shape[:2] == v.shape[:2] and 0 not in q.shape and v.shape[2] != 0)
 
 
 def check_layer_input(x, name: str, width: int, width_name: str, weight: Tensor, hint: str = "") -> None:
@@ -237,9 +246,17 @@ def reject_key_padding_mask(fn):
     return wrapper
 
 
+_CHECKED_EPS: dict = {}
+
+
 def check_eps(eps, dtype: torch.dtype = torch.float64) -> float:
     """``eps`` is positive and neither underflows nor overflows in ``dtype`` (where it is used)."""
-    return check_positive_float(eps, "eps", dtype)
+    if type(eps) is float and (eps, dtype) in _CHECKED_EPS:
+        return eps
+    eps = check_positive_float(eps, "eps", dtype)
+    if type(eps) is float and len(_CHECKED_EPS) < 64:
+        _CHECKED_EPS[eps, dtype] = True
+    return eps
 
 
 def check_positive_int(x, name: str) -> int:
@@ -311,7 +328,10 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def apply_feature_map(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """φ(q), φ(k) (or q, k themselves when ``phi`` is None), checked to share M."""
+    """φ(q), φ(k) (or q, k themselves when ``phi`` is None), checked to share M (linattn's elementwise
+    maps, marked ``keeps_shape``, keep shape, dtype and device by construction)."""
+    if getattr(phi, "keeps_shape", False):
+        return phi(q), phi(k)
     phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))
     check_features(phi_q, q, "q")
     check_features(phi_k, k, "k")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["no_autocast", "masked_matmul", "compiling", "all_finite", "host_all", "unwrap", "guarded_normaliser",
-           "divide_by_normaliser", "CausalPoison", "LOG_G_FLOOR"]
+           "divide_by_normaliser", "safe_normaliser", "CausalPoison", "LOG_G_FLOOR"]
 
 
 def no_autocast(device) -> contextlib.AbstractContextManager:
@@ -31,6 +31,8 @@ def no_autocast(device) -> contextlib.AbstractContextManager:
     ``device`` is a ``torch.device`` or a tensor (its device).
     """
     device_type = device.device.type if isinstance(device, Tensor) else device.type
+    if device_type == "cpu" and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling():
+        return contextlib.nullcontext()               # nothing to switch off (the common case, cheaply)
     available = getattr(torch.amp, "is_autocast_available", None)     # torch >= 2.4
     if not (available(device_type) if available else device_type in ("cpu", "cuda")):
         return contextlib.nullcontext()
@@ -106,6 +108,12 @@ def guarded_normaliser(den: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return torch.where(ok, den, eps), ok
 
 
+def safe_normaliser(den: Tensor, eps: float) -> Tensor:
+    """The first result of :func:`guarded_normaliser` in three operations: ``den`` where it is positive and
+    finite, else ``eps`` (``where`` sends zero, negatives and NaN to ``eps``, ``nan_to_num_`` then ``+inf``)."""
+    return torch.where(den > 0, den, eps).nan_to_num_(posinf=eps)
+
+
 def divide_by_normaliser(out_aug: Tensor, normalize: bool, eps: float) -> Tensor:
     """Split ``(..., Dv + 1)`` into numerator and normaliser and divide (or return the numerator).
 
@@ -115,7 +123,7 @@ def divide_by_normaliser(out_aug: Tensor, normalize: bool, eps: float) -> Tensor
     num, den = out_aug[..., :-1], out_aug[..., -1:]
     if not normalize:
         return num
-    return num / guarded_normaliser(den, eps)[0]
+    return num / safe_normaliser(den, eps)
 
 
 class CausalPoison:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import _checks, backends
 from ._deprecated import moved
-from ._numerics import all_finite, compiling, divide_by_normaliser, guarded_normaliser, masked_matmul, no_autocast
+from ._numerics import all_finite, compiling, divide_by_normaliser, masked_matmul, no_autocast, safe_normaliser
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
 from .state import LinearAttentionState, check_initial_state
@@ -395,20 +395,8 @@ def linear_attention_step(
         position-dependent feature map (cosFormer), a feature map whose output has other
         leading dimensions or lives on another device.
     """
-    layout = "(batch, heads, dim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _checks.check_tensor(x, name, 3, layout)
-    _checks.check_same_kind({"q": q, "k": k, "v": v})
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(
-            "q, k (B, H, D) and v (B, H, Dv) must share B and H, got "
-            f"q {_checks.shape_str(q.shape)}, k {_checks.shape_str(k.shape)}, v {_checks.shape_str(v.shape)}"
-        )
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"q and k must have the same head_dim D (dim 2), got q {_checks.shape_str(q.shape)} "
-            f"and k {_checks.shape_str(k.shape)}"
-        )
+    if not _checks.step_inputs_ok(q, k, v):             # one cheap test; the full checks say what is wrong
+        _check_step_inputs(q, k, v)
     normalize = _checks.check_bool(normalize, "normalize")
     acc = _checks.accumulation_dtype(q.dtype)
     eps = _checks.check_eps(eps, acc)
@@ -419,11 +407,12 @@ def linear_attention_step(
             "it sees one token without its position; compute the features yourself, e.g. "
             "phi(x[:, :, None], offset=t)[:, :, 0], and pass feature_map=None")
     with no_autocast(q.device):
-        q32, k32, v32 = q.to(acc), k.to(acc), v.to(acc)
+        q32, k32, v32 = (x if x.dtype == acc else x.to(acc) for x in (q, k, v))
         phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
         B, H, M = phi_k.shape
         Dv = v.shape[-1]
-        state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+        if state is not None and not state._matches(B, H, M, Dv, acc, q.device):
+            state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
         if state is None:
             S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                  # (B, H, M, Dv)
             z = phi_k.clone(memory_format=torch.contiguous_format)       # (B, H, M), never the caller's k
@@ -433,8 +422,24 @@ def linear_attention_step(
         out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                      # (B, H, Dv)
         if normalize:
             den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
-            out = out / guarded_normaliser(den, eps)[0]
-    return out.to(q.dtype), LinearAttentionState(S.contiguous(), z.contiguous())
+            out = out / safe_normaliser(den, eps)
+    return out.to(q.dtype), LinearAttentionState._unchecked(S.contiguous(), z.contiguous())
+
+
+def _check_step_inputs(q, k, v) -> None:
+    """The checks of :func:`linear_attention_step`'s ``q``, ``k``, ``v``, raising the error that names the problem."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_tensor(x, name, 3, "(batch, heads, dim)")
+    _checks.check_same_kind({"q": q, "k": k, "v": v})
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            "q, k (B, H, D) and v (B, H, Dv) must share B and H, got "
+            f"q {_checks.shape_str(q.shape)}, k {_checks.shape_str(k.shape)}, v {_checks.shape_str(v.shape)}"
+        )
+    raise ValueError(
+        f"q and k must have the same head_dim D (dim 2), got q {_checks.shape_str(q.shape)} "
+        f"and k {_checks.shape_str(k.shape)}"
+    )
 
 
 __getattr__ = moved(__name__, {"METHODS": "linattn.attention:LINEAR_ATTENTION_METHODS"})

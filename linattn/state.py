@@ -123,6 +123,20 @@ class LinearAttentionState:
     def augmented(self) -> Tensor:
         return torch.cat([self.S, self.z.unsqueeze(-1)], dim=-1)
 
+    def _matches(self, batch: int, heads: int, feature_dim: int, value_dim: int, dtype: torch.dtype, device) -> bool:
+        """Whether this state passes every check of :func:`check_initial_state` for these sizes (one test)."""
+        S, z = self.S, self.z
+        return (type(self) is LinearAttentionState and isinstance(S, Tensor) and isinstance(z, Tensor)
+                and S.shape == (batch, heads, feature_dim, value_dim) and z.shape == (batch, heads, feature_dim)
+                and S.dtype == dtype and z.dtype == dtype and S.device == device and z.device == device)
+
+    @classmethod
+    def _unchecked(cls, S: Tensor, z: Tensor) -> "LinearAttentionState":
+        """A state of tensors linattn made itself (already consistent): built without the checks."""
+        state = object.__new__(cls)
+        state.S, state.z = S, z
+        return state
+
     @classmethod
     def from_augmented(cls, S_aug: Tensor) -> "LinearAttentionState":
         """Split ``(B, H, M, Dv + 1)`` into ``S`` and ``z``, each a contiguous tensor of its own."""
@@ -147,7 +161,7 @@ def check_initial_state(state, batch: int, heads: int, feature_dim: int, value_d
         )
     if state.S.device != device:
         raise ValueError(f"{name} is on {state.S.device} but the inputs are on {device}")
-    return state.to(dtype)
+    return state if state.S.dtype == dtype else state.to(dtype)
 
 
 @dataclass(eq=False)

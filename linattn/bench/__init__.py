@@ -7,6 +7,7 @@ The rest benchmarks causal attention methods against each other, from the comman
     python -m linattn.bench --device cpu --threads 1 --seq-lens 1024 4096 16384 --heads 8 \\
         --methods baseline_chunk compiled_baseline chunk chunk_cpu --json bench.json --plot bench.png
     python -m linattn.bench --decay --threads 1               # the decay family against the ungated update
+    python -m linattn.bench --decode --threads 1              # one decoding step against the bare update
 
 or from Python, with :func:`run_benchmark` and :func:`format_table` (and
 :func:`run_decay_benchmark`, :func:`format_decay_table`). Every cell is the median of
@@ -30,6 +31,7 @@ One file per concern:
 from .baselines import (DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, LINEAR_METHODS, METHODS, baseline_chunk_linear_attention,
                         compiled_baseline_linear_attention, cumsum_linear_attention, method_fn, unavailable)
 from .cli import build_parser, main
+from .decode import bare_linear_attention_step, bare_mixer_step, format_decode_table, run_decode_benchmark
 from .costs import forward_flops, predict_memory
 from .report import NOISY, format_decay_table, format_table, machine_info, plot_results
 from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_SEQ_LENS, DTYPES, ratio, run_benchmark,
@@ -42,5 +44,5 @@ __all__ = [
     "METHODS", "DEFAULT_METHODS", "LINEAR_METHODS", "cumsum_linear_attention", "baseline_chunk_linear_attention",
     "compiled_baseline_linear_attention", "forward_flops", "predict_memory", "matmul_gflops", "run_benchmark",
     "ratio", "format_table", "plot_results", "machine_info", "main", "DECAY_VARIANTS", "run_decay_benchmark",
-    "format_decay_table",
+    "format_decay_table", "run_decode_benchmark", "format_decode_table", "bare_linear_attention_step", "bare_mixer_step",
 ]

@@ -134,7 +134,7 @@ def resolve_feature_map(feature_map: Union[str, FeatureMap, None]) -> FeatureMap
     if feature_map is None:
         return None
     if isinstance(feature_map, str):
-        return get_feature_map(feature_map)
+        return FEATURE_MAPS.get(feature_map) or get_feature_map(feature_map)   # an exact name: no normalising
     if callable(feature_map):
         return feature_map
     raise TypeError(

@@ -39,6 +39,8 @@ def elu_plus_one(x: Tensor) -> Tensor:
     check_floating(x, "x")
     if torch._C._are_functorch_transforms_active():
         return _EluPlusOneWithJvp.apply(x)
+    if not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling():
+        return _EluPlusOne.forward(x)                 # nothing to differentiate: the same arithmetic, no Function
     return _EluPlusOne.apply(x)
 
 
@@ -133,3 +135,7 @@ def squared_relu(x: Tensor) -> Tensor:
     """
     check_floating(x, "x")
     return F.relu(x).square()
+
+
+# linattn's own elementwise maps keep shape, dtype and device: the attention functions skip checking their output.
+elu_plus_one.keeps_shape = relu.keeps_shape = squared_relu.keeps_shape = True

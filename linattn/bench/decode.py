@@ -1,0 +1,133 @@
+"""``python -m linattn.bench --decode``: the cost of one decoding step against the bare update.
+
+A decoding step does little arithmetic, so what a library adds to it (argument checks, dispatch,
+state objects) shows. Each subject is timed against its *bare update*, the same arithmetic written
+out in plain PyTorch with no check and no dispatch (and shown to give the same numbers):
+
+- ``linear_attention_step``: :func:`bare_linear_attention_step`, elu+1 features as linattn computes
+  them, ``S + φ(k)vᵀ``, ``z + φ(k)``, ``φ(q)ᵀS / φ(q)ᵀz``;
+- ``LinearMixer`` (``rule="gated_delta"``, every option on): :func:`bare_mixer_step`, its
+  projections, short convolution, gates, delta step, output norm and gate.
+
+Calls of the two are interleaved round by round; the ratio of each round is reported by its
+median and range (:func:`linattn.bench.timing.paired_ratios`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..attention import linear_attention_step
+from ..layers import LinearMixer
+from .timing import paired_ratios
+
+__all__ = ["bare_linear_attention_step", "bare_mixer_step", "run_decode_benchmark", "format_decode_table"]
+
+SUBJECTS = ("linear_attention_step", "LinearMixer")
+
+
+def bare_linear_attention_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of normalised causal linear attention with elu+1 features, no checks: ``(out, S, z)``.
+
+    ``q``, ``k`` ``(B, H, D)``, ``v`` ``(B, H, Dv)``, ``S`` ``(B, H, D, Dv)``, ``z`` ``(B, H, D)``.
+    """
+    phi_q = q.clamp(max=0.0).exp_().add_(q.clamp(min=0.0))                # elu(q) + 1, without cancellation
+    phi_k = k.clamp(max=0.0).exp_().add_(k.clamp(min=0.0))
+    S = torch.addcmul(S, phi_k.unsqueeze(-1), v.unsqueeze(-2))           # (B, H, D, Dv)
+    z = z + phi_k                                                         # (B, H, D)
+    out = (phi_q.unsqueeze(-2) @ S).squeeze(-2) / (phi_q * z).sum(-1, keepdim=True)
+    return out, S, z
+
+
+def bare_mixer_step(m: LinearMixer, x: Tensor, S: Tensor, conv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One token through ``LinearMixer(rule="gated_delta")`` with its default options, no checks.
+
+    ``x`` ``(B, 1, d_model)``, ``S`` ``(B, H, D, D)``, ``conv`` ``(B, C, K - 1)``; returns
+    ``(y, S, conv)``. The module's ``n_kv_heads`` must equal ``n_heads``.
+    """
+    B, H, D = x.shape[0], m.n_heads, m.head_dim
+    qkv = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)                  # (B, 1, C)
+    ext = torch.cat([conv, qkv.transpose(1, 2)], dim=2)                              # (B, C, K)
+    qkv = F.silu(F.conv1d(ext, m.conv.weight, groups=ext.shape[1]).transpose(1, 2))  # (B, 1, C)
+    q, k, v = (t.view(B, H, D) for t in qkv[:, 0].split(H * D, dim=-1))
+    q = F.normalize(q, dim=-1, eps=1e-6) * D ** -0.5
+    k = F.normalize(k, dim=-1, eps=1e-6)
+    alpha = torch.exp(-m.A_log.exp() * F.softplus(m.a_proj(x)[:, 0] + m.dt_bias))     # (B, H)
+    beta = torch.sigmoid(m.b_proj(x)[:, 0])                                          # (B, H)
+    S = alpha[..., None, None] * S                                                   # (B, H, D, D)
+    u = beta[..., None] * (v - (k.unsqueeze(-2) @ S).squeeze(-2))                    # (B, H, D)
+    S = torch.addcmul(S, k.unsqueeze(-1), u.unsqueeze(-2))
+    o = (q.unsqueeze(-2) @ S).squeeze(-2)                                            # (B, H, D)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * m.o_norm
+    o = o * F.silu(m.g_proj(x)[:, 0].view(B, H, D))
+    return m.out_proj(o.reshape(B, 1, H * D)), S, ext[:, :, 1:]
+
+
+def _pairs(batch: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> dict:
+    """For each subject: (the library's call, the bare call), on the same inputs."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, head_dim, generator=g, dtype=dtype) for _ in range(3))
+    state = linear_attention_step(q, k, v)[1]
+    torch.manual_seed(seed)
+    mixer = LinearMixer(heads * head_dim, heads).to(dtype)
+    x = torch.randn(batch, 1, heads * head_dim, generator=g, dtype=dtype)
+    mixer_state = mixer(torch.randn(batch, 4, heads * head_dim, generator=g, dtype=dtype), return_state=True)[1]
+    return {
+        "linear_attention_step": (lambda: linear_attention_step(q, k, v, state),
+                                  lambda: bare_linear_attention_step(q, k, v, state.S, state.z)),
+        "LinearMixer": (lambda: mixer(x, state=mixer_state, return_state=True),
+                        lambda: bare_mixer_step(mixer, x, mixer_state.S, mixer_state.conv)),
+    }
+
+
+def _time(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
+                         repeats: int = 21, calls: Optional[dict] = None, warmup: int = 20, seed: int = 0,
+                         subjects: Sequence[str] = SUBJECTS) -> list[dict]:
+    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU.
+
+    ``calls`` maps a subject to the calls per round (default 200 steps, 20 mixer steps). Returns one
+    row per subject: ``subject``, per-call seconds of every round (``times``, ``bare_times``), their
+    medians (``median_s``, ``bare_median_s``) and ``ratio`` (median, min, max of the round ratios).
+    """
+    calls = {"linear_attention_step": 200, "LinearMixer": 20, **(calls or {})}
+    rows = []
+    with torch.no_grad():
+        pairs = _pairs(batch, heads, head_dim, dtype, seed)
+        for name in subjects:
+            fn, bare = pairs[name]
+            for _ in range(warmup):
+                fn(), bare()
+            times, bare_times = [], []
+            for _ in range(repeats):
+                times.append(_time(fn, calls[name]))
+                bare_times.append(_time(bare, calls[name]))
+            rows.append({"subject": name, "batch": batch, "heads": heads, "head_dim": head_dim,
+                         "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                         "times": times, "bare_times": bare_times, "median_s": sorted(times)[len(times) // 2],
+                         "bare_median_s": sorted(bare_times)[len(bare_times) // 2],
+                         "ratio": paired_ratios(times, bare_times)})
+    return rows
+
+
+def format_decode_table(rows: Sequence[dict]) -> str:
+    """The rows of :func:`run_decode_benchmark` as a table: µs per call and the ratio's median [min, max]."""
+    first = rows[0]
+    lines = [f"decode step, B={first['batch']} H={first['heads']} D={first['head_dim']} {first['dtype']}, no grad, "
+             f"{first['threads']} thread(s), {len(first['times'])} rounds",
+             f"{'':<23}{'step (µs)':>11}{'bare (µs)':>11}   step / bare: median [min, max]"]
+    for r in rows:
+        ratio = r["ratio"]
+        lines.append(f"{r['subject']:<23}{1e6 * r['median_s']:>11.1f}{1e6 * r['bare_median_s']:>11.1f}   "
+                     f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
+    return "\n".join(lines)
