@@ -17,7 +17,7 @@ from .models import TransformerBlock, TransformerConfig, TransformerLM
 from .book import book_figure, default_device, finish_figure, set_seed, use_book_style
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "softmax_attention",

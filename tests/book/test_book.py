@@ -15,7 +15,7 @@ import yaml
 
 import booktools
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOC = ROOT / "_toc.yml"
 BIB = ROOT / "chapters" / "references.bib"
 COLAB_TAG = "colab-install"

@@ -16,7 +16,7 @@ import torch
 import linattn
 from linattn import bench
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64 against float64: only summation order differs
 TINY = dict(device="cpu", batch=1, heads=2, head_dim=8, repeats=1, warmup=0, matmul_size=128)
 

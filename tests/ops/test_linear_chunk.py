@@ -103,6 +103,7 @@ def test_float16_at_65536_tokens_is_finite(causal):
     assert torch.allclose(out[:, :, -1:].float(), ref, atol=2 * 2.0**-11, rtol=0)
 
 
+@pytest.mark.triton
 def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
     # On CUDA the Triton kernel runs automatically; it has not been exercised on every GPU, so a
     # kernel that fails to compile or launch must not take linear_attention down with it.
@@ -137,6 +138,7 @@ def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch):
     torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.triton
 def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):
     from linattn import backends
 

@@ -824,7 +824,7 @@ def test_a_script_without_a_main_guard_gets_a_hint(tmp_path):
 
         print(run_on_ranks(work, 1, timeout=60.0))
     """))
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0

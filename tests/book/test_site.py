@@ -67,7 +67,7 @@ import yaml
 
 import booktools
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "_config.yml"
 CHROMIUM = pathlib.Path(os.environ.get("LINATTN_CHROMIUM", "/usr/bin/chromium"))
 MATHJAX_DIR = pathlib.Path(os.environ.get("LINATTN_MATHJAX_DIR") or ROOT / ".ci" / "cache" / "mathjax")

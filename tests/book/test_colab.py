@@ -37,7 +37,7 @@ import yaml
 
 import booktools
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COLAB_TAG = "colab-install"
 # Device-specific text that must not appear in what a chapter's setup prints.
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")

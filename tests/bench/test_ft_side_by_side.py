@@ -14,7 +14,7 @@ import torch
 
 import linattn
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ft_side_by_side.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "ft_side_by_side.py"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHAPTERS = [sorted((ROOT / "chapters").glob(f"0{n}_*.ipynb"))[0] for n in range(1, 6)]
 DEFINITION_RE = re.compile(r"^[qkv]_tiny = torch\.tensor\(.*$", re.M)
 
