@@ -1,7 +1,4 @@
-"""linattn: linear attention, derived step by step and made fast.
-
-Public API (tensor layout ``(batch, heads, seq, dim)``, as in PyTorch's SDPA).
-"""
+"""linattn: linear attention, derived step by step and made fast."""
 from .attention import linear_attention, linear_attention_step, softmax_attention
 from .feature_maps import elu_plus_one, get_feature_map, relu
 from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, PerformerFeatures, TaylorFeatures,

@@ -1,12 +1,4 @@
-"""Autograd plumbing shared by the hand-written backward passes (private).
-
-- :func:`autograd_must_see_every_op`: where a Function with a hand-written backward must give
-  way to the same equations op by op (``torch.func`` transforms, ``torch.compile``, forward-mode
-  duals);
-- :func:`differentiable_backward`: the backward of a forward function as autograd's own graph,
-  for second derivatives;
-- :data:`NO_SECOND_DERIVATIVE`: the message of the Functions that refuse them.
-"""
+"""Autograd plumbing shared by the hand-written backward passes (private)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,8 +1,4 @@
-"""Input validation shared by the attention functions (private).
-
-Every check raises a ``TypeError`` or ``ValueError`` that names the argument and
-says what it got and what it needs; nothing is broadcast silently.
-"""
+"""Input validation shared by the attention functions (private)."""
 from __future__ import annotations
 
 import functools
@@ -74,11 +70,7 @@ def check_same_kind(named: dict[str, Tensor]) -> None:
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_only: Optional[str] = None) -> None:
-    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk.
-
-    ``causal_only``: for a function that has no ``causal`` argument (it is always causal),
-    its name; the error for ``Tq != Tk`` then says so instead of suggesting ``causal=False``.
-    """
+    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk."""
     layout = "(batch, heads, seq, dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name, 4, layout)
@@ -131,11 +123,7 @@ def check_bool(x, name: str) -> bool:
 
 
 def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
-    """``x`` is a real number, positive, and representable as a normal number of ``dtype``.
-
-    Written with comparisons only (no ``math.isfinite``), so that it also checks the symbolic
-    floats ``torch.compile(dynamic=True)`` passes in.
-    """
+    """``x`` is a real number, positive, and representable as a normal number of ``dtype``."""
     if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name} must be a float, got {type_name(x)}")
     if not isinstance(x, (torch.SymFloat, torch.SymInt)):
@@ -160,13 +148,7 @@ def check_attention_mask(mask, k: Tensor) -> Optional[Tensor]:
 
 
 def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "attention_mask") -> Optional[Tensor]:
-    """A ``(batch, seq)`` attention mask as a bool tensor, or None.
-
-    Hugging Face's and flash-linear-attention's convention: True (or 1) marks a real token that
-    may be attended to, False (or 0) padding. Bool tensors and integer tensors holding only 0
-    and 1 are accepted; anything else raises. (PyTorch's ``key_padding_mask`` means the
-    opposite, True = padding: that name is refused, see :func:`reject_key_padding_mask`.)
-    """
+    """A ``(batch, seq)`` attention mask as a bool tensor, or None."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
@@ -186,13 +168,7 @@ def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "atte
 
 
 def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -> None:
-    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``.
-
-    Eagerly this raises a ValueError quoting the first offending entry of ``x`` and its index.
-    Under ``torch.compile`` a Python ``if`` on tensor data would break the graph, so the same
-    check runs inside the graph (``torch._assert_async``) and a bad value raises a
-    RuntimeError with the message ``{name} must be {need}``: compiled code still refuses it.
-    """
+    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``."""
     if torch.compiler.is_compiling():
         torch._assert_async(ok.all(), f"{name} must be {need}")
         return
@@ -210,13 +186,7 @@ def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -
 
 
 def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
-    """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`.
-
-    Eagerly one reduction decides (``aminmax``: a NaN makes both ends NaN, which fails both
-    comparisons); only a failing tensor pays for the elementwise mask that locates the offending
-    entry (``torch.isfinite`` alone is several passes: about 2 ms for 10⁶ float32 entries on
-    one core, against 0.2 ms for ``aminmax``).
-    """
+    """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`."""
     if not torch.compiler.is_compiling():
         with torch.no_grad():
             x = unwrap(log_g)
@@ -228,11 +198,7 @@ def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
 
 
 def reject_key_padding_mask(fn):
-    """Refuse the old keyword ``key_padding_mask`` with an error that explains the rename.
-
-    PyTorch's ``key_padding_mask`` (``nn.MultiheadAttention``) marks padding with True, the
-    opposite of linattn's mask, so accepting it under that name would silently invert it.
-    """
+    """Refuse the old keyword ``key_padding_mask`` with an error that explains the rename."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if "key_padding_mask" in kwargs:
@@ -294,16 +260,7 @@ def position_dependent(phi) -> bool:
 
 
 def check_position_dependent(phi, *, causal: bool, resumed: bool, same_length: bool, caller: str) -> None:
-    """Refuse the uses of a position-dependent map that would give wrong numbers.
-
-    - ``resumed`` (an initial state): the state does not record how many tokens it has seen,
-      so the new tokens would get the features of positions 0, 1, ... again;
-    - no fixed ``max_len`` (a map with a ``max_len`` attribute that is None, as cosFormer's
-      default): the features then depend on the length of the input, so in a causal call an
-      earlier output would depend on how many tokens follow it, and queries and keys of
-      different lengths would get different scales. (A map without a ``max_len`` attribute is
-      taken to depend on the absolute position only.)
-    """
+    """Refuse the uses of a position-dependent map that would give wrong numbers."""
     if not position_dependent(phi):
         return
     name = type(phi).__name__

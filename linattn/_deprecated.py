@@ -1,8 +1,4 @@
-"""Old module paths that still import, with a DeprecationWarning (private).
-
-A moved module becomes a few lines: ``__getattr__ = moved(__name__, {"old_name": "new.module:new_name"})``.
-Every attribute read through it warns once per read, naming the new place; nothing warns at import.
-"""
+"""Old module paths that still import, with a DeprecationWarning (private)."""
 from __future__ import annotations
 
 import importlib

@@ -32,10 +32,6 @@ def softmax_attention(
 ) -> Tensor:
     """Scaled dot-product (softmax) attention, written out with its full T×T matrix.
 
-    ``softmax(q kᵀ · scale) v`` (Vaswani et al., 2017, eq. 1). This is the reference the
-    book compares linear attention against; it materialises the ``(B, H, Tq, Tk)`` weight
-    matrix on purpose. For speed use ``torch.nn.functional.scaled_dot_product_attention``.
-
     Parameters
     ----------
     q : Tensor
@@ -121,33 +117,6 @@ def linear_attention(
 
         y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)
 
-    where ``j`` runs over the unpadded keys (``j <= i`` when causal). With an
-    ``initial_state`` (S0, z0) every query also sees ``φ(q_i)ᵀS0`` and ``φ(q_i)ᵀz0``, as if
-    the tokens that built the state came first. For a non-negative φ the output is the
-    exact weighted average of the values however small the normaliser is (down to the
-    dtype's underflow): it does not change when φ(q_i), or all φ(k_j), are scaled by a
-    positive number.
-
-    Causality holds whatever the values: with ``causal=True`` a NaN or infinity at position
-    ``t`` (in q, k or v) never changes an output before ``t``, in every method (an output
-    that depends on a non-finite input is NaN or ±inf; which one may differ between methods).
-
-    Methods (all compute the same numbers up to rounding):
-
-    - ``"parallel"``: non-causal only; ``φ(Q)(φ(K)ᵀV)``, cost ``O(T·M·Dv)``.
-    - ``"quadratic"``: the masked ``Tq×Tk`` matrix ``φ(Q)φ(K)ᵀ``, cost ``O(T²·(M + Dv))``.
-    - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
-    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.ops.linear`. On CUDA,
-      when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
-      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it; for
-      float16/bfloat16 inputs it reads features and values in that dtype, and accumulates,
-      keeps the state and returns in float32);
-      ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
-      PyTorch path takes over with a ``RuntimeWarning``. On the CPU, ``LINATTN_CPU_KERNEL=1``
-      selects the compiled CPU path of :mod:`linattn.kernels.cpu` for float32/float64 (built on
-      first use where a C++ compiler exists; the PyTorch path otherwise).
-    - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
-
     Parameters
     ----------
     q : Tensor
@@ -171,7 +140,11 @@ def linear_attention(
         Negative happens only with feature maps that take negative values: the output
         ``num / eps`` is then meaningless (chapter 2 shows why). Use a non-negative φ.
     method : str
-        One of ``"auto"``, ``"parallel"``, ``"quadratic"``, ``"recurrent"``, ``"chunk"``.
+        ``"parallel"`` (non-causal ``φ(Q)(φ(K)ᵀV)``), ``"quadratic"`` (the masked ``Tq×Tk`` matrix),
+        ``"recurrent"`` (causal; the token loop of :func:`linear_attention_step`), ``"chunk"``
+        (causal; chunkwise, on the backend :mod:`linattn.backends` picks), or ``"auto"``:
+        ``"chunk"`` when causal, else ``"parallel"``. All give the same numbers up to rounding and
+        stay causal whatever the values (a NaN at position ``t`` changes no earlier output).
     chunk_size : int
         Tokens per chunk for ``method="chunk"``; ``T`` need not be a multiple of it.
     attention_mask : Tensor, optional
@@ -300,11 +273,7 @@ def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, retur
 
 def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
                  chunk_size: int, input_dtype: torch.dtype = torch.float32) -> Optional[tuple[Tensor, Tensor]]:
-    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU.
-
-    For float16/bfloat16 inputs the kernel reads the features and values in that dtype (half
-    the memory traffic) and accumulates and returns in float32; the state is float32 too.
-    """
+    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU."""
     from . import kernels
 
     S0 = None if state0 is None else state0.augmented()
@@ -355,10 +324,6 @@ def linear_attention_step(
 
         S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),
         y_t = S_tᵀ φ(q_t) / z_tᵀ φ(q_t)
-
-    The new token attends to itself and to every earlier token. Running it over
-    ``t = 1..T`` gives ``linear_attention(q, k, v, causal=True)`` (up to rounding); the cost per
-    token is ``O(M·Dv)`` time and the state's memory is constant in ``t``.
 
     Parameters
     ----------

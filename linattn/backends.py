@@ -1,26 +1,4 @@
-"""Which implementation runs an op's ``method="chunk"``: a choice the caller can see and pin.
-
-Every causal op of linattn has one meaning and up to three implementations of its chunk method,
-tested against each other (the reference methods, ``"recurrent"``, ``"quadratic"`` and
-``"parallel"``, always run in PyTorch):
-
-- ``"torch"``: the PyTorch chunk forms of :mod:`linattn.ops`, every op, device and dtype;
-- ``"cpu"``: the compiled token loops of :mod:`linattn.kernels.cpu`, built on first use by the
-  system's C++ compiler: causal ``linear_attention``, ``retention``, ``gated_linear_attention``,
-  ``delta_rule`` and ``gated_delta_rule`` on CPU float32/float64 tensors (half inputs compute in
-  float32);
-- ``"triton"``: the fused kernel of :mod:`linattn.kernels.triton`: causal ``linear_attention`` on
-  CUDA with a power-of-two ``chunk_size >= 16``.
-
-The first enabled backend that can run a call runs it. By default the order comes from the
-environment, read at every call: ``"triton"`` (unless ``LINATTN_DISABLE_TRITON=1``), ``"cpu"`` (only
-with ``LINATTN_CPU_KERNEL=1``), ``"torch"``. :func:`use_backends` pins another order for a block,
-as :func:`torch.nn.attention.sdpa_kernel` does for SDPA; :func:`last_backend` says what ran::
-
-    with linattn.backends.use_backends("cpu", "torch"):
-        y = linattn.delta_rule(q, k, v, beta)
-    linattn.backends.last_backend()          # "cpu" where the compiled loop could run, else "torch"
-"""
+"""Which implementation runs an op's ``method="chunk"``: a choice the caller can see and pin."""
 from __future__ import annotations
 
 import contextlib
@@ -64,9 +42,6 @@ def enabled_backends() -> tuple[str, ...]:
 @contextlib.contextmanager
 def use_backends(*backends: str) -> Iterator[tuple[str, ...]]:
     """Run the chunk methods inside the block on the first of ``backends`` that can run each call.
-
-    Process-wide (as :func:`torch.nn.attention.sdpa_kernel`), nestable. Without ``"torch"`` in the
-    list, a call that none of them can run raises a RuntimeError saying why each was refused.
 
     Raises
     ------

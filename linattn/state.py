@@ -1,10 +1,4 @@
-"""The states linattn carries between calls: one class per kind, each checking itself.
-
-- :class:`LinearAttentionState`: ``S`` and ``z`` of causal linear attention (fixed size);
-- :class:`MixerState`: a :class:`~linattn.LinearMixer`'s matrix state and short-convolution inputs;
-- :class:`KVCache`: softmax attention's keys and values (grows with every token);
-- :class:`DecodingState`: one of those per block of a :class:`~linattn.TransformerLM`, and positions.
-"""
+"""The states linattn carries between calls: one class per kind, each checking itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -115,12 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``python -m linattn.bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
-
-    0 when every cell that could run ran (skipped and unavailable cells are fine), 1 when
-    a cell failed (the table, JSON and plot are written all the same). Bad flags exit with
-    argparse's usage message and status 2.
-    """
+    """Run ``python -m linattn.bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.decode:

@@ -1,17 +1,4 @@
-"""``python -m linattn.bench --decode``: the cost of one decoding step against the bare update.
-
-A decoding step does little arithmetic, so what a library adds to it (argument checks, dispatch,
-state objects) shows. Each subject is timed against its *bare update*, the same arithmetic written
-out in plain PyTorch with no check and no dispatch (and shown to give the same numbers):
-
-- ``linear_attention_step``: :func:`bare_linear_attention_step`, elu+1 features as linattn computes
-  them, ``S + φ(k)vᵀ``, ``z + φ(k)``, ``φ(q)ᵀS / φ(q)ᵀz``;
-- ``LinearMixer`` (``rule="gated_delta"``, every option on): :func:`bare_mixer_step`, its
-  projections, short convolution, gates, delta step, output norm and gate.
-
-Calls of the two are interleaved round by round; the ratio of each round is reported by its
-median and range (:func:`linattn.bench.timing.paired_ratios`).
-"""
+"""``python -m linattn.bench --decode``: the cost of one decoding step against the bare update."""
 from __future__ import annotations
 
 import time
@@ -31,10 +18,7 @@ SUBJECTS = ("linear_attention_step", "LinearMixer")
 
 
 def bare_linear_attention_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One step of normalised causal linear attention with elu+1 features, no checks: ``(out, S, z)``.
-
-    ``q``, ``k`` ``(B, H, D)``, ``v`` ``(B, H, Dv)``, ``S`` ``(B, H, D, Dv)``, ``z`` ``(B, H, D)``.
-    """
+    """One step of normalised causal linear attention with elu+1 features, no checks: ``(out, S, z)``."""
     phi_q = q.clamp(max=0.0).exp_().add_(q.clamp(min=0.0))                # elu(q) + 1, without cancellation
     phi_k = k.clamp(max=0.0).exp_().add_(k.clamp(min=0.0))
     S = torch.addcmul(S, phi_k.unsqueeze(-1), v.unsqueeze(-2))           # (B, H, D, Dv)
@@ -44,11 +28,7 @@ def bare_linear_attention_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Te
 
 
 def bare_mixer_step(m: LinearMixer, x: Tensor, S: Tensor, conv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One token through ``LinearMixer(rule="gated_delta")`` with its default options, no checks.
-
-    ``x`` ``(B, 1, d_model)``, ``S`` ``(B, H, D, D)``, ``conv`` ``(B, C, K - 1)``; returns
-    ``(y, S, conv)``. The module's ``n_kv_heads`` must equal ``n_heads``.
-    """
+    """One token through ``LinearMixer(rule="gated_delta")`` with its default options, no checks."""
     B, H, D = x.shape[0], m.n_heads, m.head_dim
     qkv = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)                  # (B, 1, C)
     ext = torch.cat([conv, qkv.transpose(1, 2)], dim=2)                              # (B, C, K)
@@ -94,12 +74,7 @@ def _time(fn, calls: int) -> float:
 def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
                          repeats: int = 21, calls: Optional[dict] = None, warmup: int = 20, seed: int = 0,
                          subjects: Sequence[str] = SUBJECTS) -> list[dict]:
-    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU.
-
-    ``calls`` maps a subject to the calls per round (default 200 steps, 20 mixer steps). Returns one
-    row per subject: ``subject``, per-call seconds of every round (``times``, ``bare_times``), their
-    medians (``median_s``, ``bare_median_s``) and ``ratio`` (median, min, max of the round ratios).
-    """
+    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU."""
     calls = {"linear_attention_step": 200, "LinearMixer": 20, **(calls or {})}
     rows = []
     with torch.no_grad():

@@ -13,9 +13,6 @@ __all__ = ["book_figure", "finish_figure"]
 def book_figure(nrows: int = 1, ncols: int = 1, *, height: float | None = None, **subplots_kw):
     """A new figure in the book's style, exactly as wide as the book's text column.
 
-    Applies :func:`use_book_style`, then calls ``plt.subplots`` with
-    ``figsize=(COLUMN_WIDTH_IN, height)``. Finish the figure with :func:`finish_figure`.
-
     Parameters
     ----------
     nrows, ncols : int
@@ -108,12 +105,7 @@ def _tick_labels_shown(axis) -> bool:
 
 
 def _has_label(ax, which: str, data_axes: list) -> bool:
-    """Whether ``ax`` is labelled along ``which`` ("x" or "y") by itself or by an axes it shares that axis with.
-
-    A twin (``twinx`` shares x, ``twiny`` shares y) takes the shared axis's label from its
-    sibling; an axes of a ``sharex``/``sharey`` group whose tick labels are hidden along that
-    axis (``plt.subplots`` hides them on all but the outer panels) takes it from any axes of the group.
-    """
+    """Whether ``ax`` is labelled along ``which`` ("x" or "y") by itself or by an axes it shares that axis with."""
     def label(a) -> str:
         return (a.get_xlabel() if which == "x" else a.get_ylabel()).strip()
 
@@ -137,23 +129,6 @@ def _has_label(ax, which: str, data_axes: list) -> bool:
 def finish_figure(fig_or_ax, *, title: str | None = None, xlabel: str | None = None,
                   ylabel: str | None = None):
     """Label a figure and check that a reader can read it at the book's column width.
-
-    Sets what is given, then checks the whole figure: every axes that shows data has an
-    x label and a y label; the figure has a title; and its smallest text is at least
-    ``MIN_FONT_PT`` points once the figure is scaled to ``COLUMN_WIDTH_IN`` inches.
-    A label may come from the axes itself or from
-
-    - the figure: ``fig.supxlabel``/``fig.supylabel`` label every panel, ``fig.suptitle``
-      titles them all (otherwise every panel needs its own title);
-    - its twin: an axes made with ``ax.twinx()`` shares ``ax``'s x axis and title and needs
-      only its own y label (``twiny``: its own x label);
-    - its ``sharex``/``sharey`` group, when its tick labels along that axis are hidden, as
-      ``plt.subplots(2, 1, sharex=True)`` hides them on all but the bottom panel: then one
-      label in the group (the bottom panel's) serves them all.
-
-    Write units in the labels (``"sequence length T (tokens)"``, ``"time (ms)"``) and make
-    the title state the finding (``"Softmax time grows as T², linear attention's as T"``);
-    neither can be checked here.
 
     Parameters
     ----------

@@ -27,9 +27,6 @@ def _matplotlib(module: str, caller: str):
 def use_book_style() -> None:
     """Apply the book's matplotlib style (one look for every figure in every chapter).
 
-    Sized for the book's column width: 6.4 x 3.6 inches at 110 dpi, 10-pt text,
-    a light grid, no top/right spines. Call once per notebook after importing matplotlib.
-
     Raises
     ------
     ImportError

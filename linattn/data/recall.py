@@ -47,12 +47,6 @@ def multi_query_associative_recall(num_examples: int, num_pairs: int, *, vocab_s
 
         k_1 v_1 k_2 v_2 ... k_N v_N  q_1 q_2 ... q_Q        (q_i one of the keys)
 
-    The keys of a sequence are distinct (drawn without replacement), the values are drawn
-    with replacement, the queried keys are distinct and in random order. The target at the
-    position of ``q_i`` is its value (a next-token prediction); every other target is
-    :data:`IGNORE_INDEX`. A model with a state of ``M×Dv`` numbers (linear attention) can
-    hold only about ``M`` pairs without interference (chapter 7).
-
     Parameters
     ----------
     num_examples : int
@@ -102,13 +96,6 @@ def multi_query_associative_recall(num_examples: int, num_pairs: int, *, vocab_s
 def needle_in_a_haystack(num_examples: int, seq_len: int, *, depth: float = 0.5, vocab_size: int = 129,
                          generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One key-value pair hidden in filler, asked for at the end (a needle-in-a-haystack probe).
-
-    The sequence is ``seq_len`` tokens of filler (values of :func:`recall_vocab`, drawn at
-    random) with one key ``k`` followed by its value ``v`` at relative depth ``depth``
-    (0: the start, 1: just before the end); the last token is ``k`` again, and its target is
-    ``v``. No other key appears, so the only difficulty is to find one token among
-    ``seq_len``: softmax attention can weight it alone, linear attention spreads weight
-    over the filler (chapter 7).
 
     Parameters
     ----------

@@ -14,10 +14,6 @@ TINY_SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca
 def load_tiny_shakespeare(path=None) -> str:
     """The tiny-Shakespeare text, checked against its sha256.
 
-    1,115,394 characters of Shakespeare's plays (public domain), the corpus of Karpathy's
-    char-rnn (2015). It ships with ``linattn`` as ``linattn/data/tinyshakespeare.txt.gz``,
-    so no download is needed.
-
     Parameters
     ----------
     path : str or os.PathLike, optional
@@ -64,11 +60,6 @@ def load_tiny_shakespeare(path=None) -> str:
 
 class CharCorpus:
     """A character-level corpus: vocabulary, encoding, a train/validation split and batches.
-
-    Every distinct character of ``text`` is one token; ids follow the sorted characters.
-    The first ``1 - val_fraction`` of the text is the training split and the rest the
-    validation split (a contiguous tail, so no validation text leaks into training
-    windows).
 
     Parameters
     ----------
@@ -231,10 +222,6 @@ class CharCorpus:
 
 def tiny_shakespeare(*, val_fraction: float = 0.1) -> CharCorpus:
     """The tiny-Shakespeare corpus (65 characters), split for training and validation.
-
-    Loads the packaged text with :func:`load_tiny_shakespeare` (sha256 checked) and wraps
-    it in a :class:`CharCorpus`: the first 90 % (by default) for training, the last 10 %
-    for validation, as in Karpathy's char-rnn and nanoGPT's ``shakespeare_char``.
 
     Parameters
     ----------

@@ -49,32 +49,7 @@ def _bits_float(bits: int) -> float:
 
 
 def _feature_map_name(phi: Optional[FeatureMap]) -> str:
-    """What identifies a resolved feature map across processes (hashed by the handshake).
-
-    Only what is the same in every process that runs the same code can identify a map, so:
-
-    - a function, builtin or class: its module and qualified name (``"elu+1"`` resolves to
-      :func:`linattn.elu_plus_one`, so the name and the function agree);
-    - a lambda or anything defined inside a function (``<locals>`` in its qualified name):
-      refused. Every lambda is ``<lambda>``, and a nested function may close over values
-      that differ between ranks, so its name says nothing about what it computes;
-    - ``functools.partial``: its function's identity plus its arguments, when those are
-      plain values (numbers, strings, bools, None, and tuples or lists of them, compared by
-      ``repr``); refused with any other argument (a tensor, a module), which could differ
-      unseen;
-    - a bound method: its function's identity plus that of the object it is bound to;
-    - an ``nn.Module``: its class plus its ``repr`` (the configuration its ``extra_repr``
-      prints, such as a cosFormer ``max_len`` or a Performer ``seed``); its parameters and
-      buffers are *not* compared;
-    - any other object whose class defines ``__call__`` in Python: its class only (its
-      attributes are not compared); a callable implemented in C (a NumPy ufunc, a
-      TorchScript function) is refused, since its class says nothing about what it computes.
-
-    Raises
-    ------
-    TypeError
-        For the refused kinds above, saying to use a module-level function or an ``nn.Module``.
-    """
+    """What identifies a resolved feature map across processes (hashed by the handshake)."""
     if phi is None:
         return "None (q and k are features)"
     return _callable_identity(phi)
@@ -161,15 +136,7 @@ def _gather_names(name: str, ranks: _Ranks) -> list[str]:
 
 def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[BaseException],
                caller: str, shown: tuple[str, ...], feature_map_name: str = "") -> list[list[int]]:
-    """All-gather every rank's shapes and options (or a failure flag) before any real communication.
-
-    ``fields`` maps column names of ``_FIELDS`` to ints (None if this rank's own checks
-    failed); the columns ``shown`` must agree across ranks. A rank whose checks failed
-    re-raises its error; the others raise a ValueError naming it; ranks that disagree all
-    raise the same ValueError (every rank sees the same table, so they all take the same
-    branch, including the second all-gather of feature-map names when those differ). No
-    rank is left waiting in a collective that another rank never entered.
-    """
+    """All-gather every rank's shapes and options (or a failure flag) before any real communication."""
     row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0] + [fields.get(n, 0) for n in _FIELDS[1:]]
     parts = _all_gather(torch.tensor(row, dtype=torch.int64, device=ranks.device()), ranks, "handshake")
     table = [part.tolist() for part in parts]
@@ -237,11 +204,7 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _check_state_exchange(state_exchange, ranks: Optional[_Ranks] = None) -> str:
-    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored).
-
-    ``"auto"`` is resolved by the backend of ``ranks``' group (:data:`AUTO_STATE_EXCHANGE`); without
-    ``ranks`` it is returned as ``"auto"``.
-    """
+    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored)."""
     choices = ("auto",) + STATE_EXCHANGES
     if not isinstance(state_exchange, str):
         raise TypeError(f"state_exchange must be a str, one of {choices}, "

@@ -19,22 +19,7 @@ __all__ = ['ByteCounter', 'count_bytes']
 
 
 class ByteCounter:
-    """Bytes this process handed to ``torch.distributed`` while the counter was active.
-
-    Each communication call of this module appends ``(op, nbytes)`` to :attr:`records`:
-
-    - ``send`` / ``isend``: the tensor's size in bytes (exact);
-    - ``all_gather`` of an ``s``-byte tensor over ``P`` ranks: ``(P - 1)·s``, what each rank
-      sends in the ring all-gather algorithm;
-    - ``all_reduce`` of ``s`` bytes: ``2·(P - 1)·s // P``, the ring (reduce-scatter then
-      all-gather) algorithm's count.
-
-    For the collectives these are the textbook algorithms' counts, not gloo's or NCCL's
-    wire traffic (their algorithm choice depends on the message size); for point-to-point
-    calls they are the payload exactly. Labels: ``"handshake"`` (the check of shapes and options),
-    ``"state"`` / ``"state_grad"`` (linear attention's forward / backward), ``"kv"`` (ring
-    attention's key-value blocks).
-    """
+    """Bytes this process handed to ``torch.distributed`` while the counter was active."""
 
     def __init__(self) -> None:
         self.records: list[tuple[str, int]] = []

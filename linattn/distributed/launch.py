@@ -84,15 +84,6 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
                  backend: str = "gloo") -> list:
     """Run ``fn(*args)`` on ``world_size`` new processes that form one process group; return their results.
 
-    The parent starts a ``torch.distributed.TCPStore`` on 127.0.0.1, port 0 (the OS picks a
-    free port and the store keeps it bound, so no other program can take it), spawns the
-    ranks with ``torch.multiprocessing`` (start method "spawn"), and each rank calls
-    ``init_process_group(backend, store=..., rank=r, world_size=P)`` with ``timeout``, so a
-    collective that cannot complete raises instead of hanging. Gloo uses the loopback
-    interface (``GLOO_SOCKET_IFNAME``, unless already set). Every rank destroys its process
-    group when ``fn`` returns or raises; the parent terminates ranks still running at the
-    deadline, or a few seconds after another rank failed.
-
     Parameters
     ----------
     fn : callable

@@ -30,18 +30,6 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
                               timeout: float = 300.0, threads: int = 1) -> list[dict]:
     """Time sequence-parallel attention on ``world_size`` CPU processes (gloo) and count the bytes sent.
 
-    Each case is a dict with ``kind`` (``"linear"``: :func:`sequence_parallel_linear_attention`
-    with ``feature_map="elu+1"``; ``"softmax"``: :func:`ring_softmax_attention`) and ``T``
-    (the whole sequence, split into contiguous slices whose lengths differ by at most one),
-    plus optional ``batch`` (1), ``heads`` (2), ``head_dim`` (16, also ``Dv``), ``causal``
-    (True), ``state_exchange`` ("allgather"), ``dtype`` ("float32"), ``backward`` (False;
-    linear only: time forward + backward of ``out.sum()``) and ``communication_only``
-    (False: time only the exchange, the state's for linear or the ring pass of the K, V
-    blocks for softmax, with no attention arithmetic), ``repeats`` (this case's number of
-    timed calls; default the ``repeats`` argument) and ``block`` (None; a label copied into
-    the record and not used otherwise, to tell apart repeated, interleaved copies of a
-    case). All cases run in one process group, so the start-up (several seconds) is paid once.
-
     Parameters
     ----------
     world_size : int

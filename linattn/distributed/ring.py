@@ -22,13 +22,7 @@ __all__ = ['ring_softmax_attention']
 
 
 def _circulate(block: Tensor, ranks: _Ranks, sizes: list[int]) -> Iterator[tuple[int, Tensor]]:
-    """Yield ``(source rank, block)`` for every rank's block, passing blocks around the ring.
-
-    At step ``t`` rank ``r`` holds the block of rank ``r - t`` (mod P); while the caller works
-    on it, the block is sent to ``r + 1`` and the next one received from ``r - 1``
-    (``isend``/``irecv``, so the transfer overlaps the work). ``sizes`` are the ranks'
-    sequence lengths (dim 2). The generator must be run to the end.
-    """
+    """Yield ``(source rank, block)`` for every rank's block, passing blocks around the ring."""
     rank, world = ranks.rank, ranks.world
     for step in range(world):
         src = (rank - step) % world
@@ -47,14 +41,7 @@ def _circulate(block: Tensor, ranks: _Ranks, sizes: list[int]) -> Iterator[tuple
 
 
 def _visible_weighted_sum(p: Tensor, v: Tensor, visible: Tensor) -> Tensor:
-    """``Σ_j p_ij v_j`` over the visible pairs ``(i, j)`` only: ``(B, H, Tq, Tk) × (B, H, Tk, Dv) -> (B, H, Tq, Dv)``.
-
-    ``p @ v`` alone is wrong in one case: a masked weight is 0, and ``0 · NaN`` and ``0 · inf``
-    are NaN, so a NaN or inf value at a later position would reach every earlier query.
-    Tokens whose values are all finite go through the matmul; the others (rare, and only
-    when present: one ``isfinite`` check otherwise) are added where ``visible`` (``(Tq, Tk)``
-    bool) allows, a few tokens at a time so the temporary stays within the size of ``p``.
-    """
+    """``Σ_j p_ij v_j`` over the visible pairs ``(i, j)`` only: ``(B, H, Tq, Tk) × (B, H, Tk, Dv) -> (B, H, Tq, Dv)``."""
     finite = torch.isfinite(v).all(dim=-1)                                # (B, H, Tk)
     if bool(finite.all()):
         return p @ v
@@ -72,19 +59,6 @@ def _visible_weighted_sum(p: Tensor, v: Tensor, visible: Tensor) -> Tensor:
 def ring_softmax_attention(q: Tensor, k: Tensor, v: Tensor, group=None, *, causal: bool = False,
                            scale: Optional[float] = None) -> Tensor:
     """Softmax attention over a sequence split across ranks, by passing key/value blocks around a ring.
-
-    Ring attention (Liu, Zaharia & Abbeel, 2023, sec. 3): in ``P`` steps every rank sees the
-    ``K, V`` block of every rank and folds it into its output with the online softmax
-    (Milakov & Gimelshein, 2018): a running row maximum ``m``, normaliser ``l`` and
-    unnormalised output ``o``, rescaled by ``exp(m_old - m_new)`` as blocks arrive. When
-    causal, blocks of later ranks are skipped (but still passed on) and a rank's own block
-    is masked with ``tril``; a NaN or inf in a later key or value reaches no earlier query
-    (the query at its position and later ones see it, as in one process), since masked pairs
-    are left out of the weighted sum rather than multiplied by a zero weight. Each rank sends
-    ``P - 1`` blocks: ``(P-1)·(T/P)·B·H·(D + Dv)`` numbers for equal slices, linear in ``T``.
-
-    This is the baseline for chapter 12: forward only (no backward pass), and each step
-    forms the full ``(B, H, Tq, T_block)`` score block.
 
     Parameters
     ----------

@@ -65,10 +65,6 @@ def local_state(k: Tensor, v: Tensor, *, feature_map: Union[str, FeatureMap, Non
                 attention_mask: Optional[Tensor] = None, offset: int = 0) -> LinearAttentionState:
     """The state contributed by one slice of keys and values: ``S = Σ_j φ(k_j) v_jᵀ``, ``z = Σ_j φ(k_j)``.
 
-    Katharopoulos et al. (2020), eq. 18, summed over the slice instead of a prefix. The
-    state of a whole sequence is the sum of its slices' states, in any grouping: that
-    associativity is what lets ranks exchange states instead of keys and values.
-
     Parameters
     ----------
     k : Tensor
@@ -157,16 +153,7 @@ def _exclusive_suffix(grad: Tensor, ranks: _Ranks, exchange: str, op: str) -> Te
 
 
 def _exclusive_scan(x: Tensor, ranks: _Ranks, op: str, *, reverse: bool) -> Tensor:
-    """The exclusive prefix sum over ranks in ``⌈log2 P⌉`` rounds of one message (MPI_Exscan's result).
-
-    Hillis & Steele's scan (1986): in the round of distance ``d = 1, 2, 4, ...`` the rank at
-    position ``i`` of the scan sends what it holds for ``(i − d, i]`` to position ``i + d`` and
-    receives ``(i − 2d, i − d]`` from position ``i − d``; after the last round position ``i``
-    holds ``Σ_{j < i}``. Each message is one state, each rank sends at most one per round, and
-    the rounds, not ``P − 1`` hops, are the critical path. ``reverse`` scans from the last
-    rank down (the backward pass). The sums are added in the tree's order, so the result
-    equals the all-gather's and the chain's up to rounding, not bit for bit.
-    """
+    """The exclusive prefix sum over ranks in ``⌈log2 P⌉`` rounds of one message (MPI_Exscan's result)."""
     P = ranks.world
     pos = P - 1 - ranks.rank if reverse else ranks.rank                   # position along the scan
 
@@ -189,11 +176,7 @@ def _exclusive_scan(x: Tensor, ranks: _Ranks, op: str, *, reverse: bool) -> Tens
 
 
 class _PrefixOverRanks(torch.autograd.Function):
-    """Forward: the state of all earlier ranks. Backward: the incoming-state gradients of all later ranks.
-
-    Rank ``r`` returns ``X_r = Σ_{s<r} L_s``. Since ``L_r`` enters ``X_s`` for every ``s > r``,
-    ``∂loss/∂L_r = Σ_{s>r} ∂loss/∂X_s``: the backward is the same exchange run the other way.
-    """
+    """Forward: the state of all earlier ranks. Backward: the incoming-state gradients of all later ranks."""
 
     @staticmethod
     def forward(ctx, local: Tensor, ranks: _Ranks, exchange: str) -> Tensor:
@@ -236,44 +219,6 @@ def sequence_parallel_linear_attention(
     return_state: bool = False,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Linear attention over a sequence split across the ranks of a process group.
-
-    Rank ``r`` of ``P`` holds the ``r``-th contiguous slice of the sequence (slices may have
-    different lengths, down to one token). With ``L_r = local_state(k_r, v_r)`` (an
-    ``M × (Dv + 1)`` state per head, normaliser included):
-
-    - causal: rank ``r`` starts its local chunkwise pass from ``Σ_{s<r} L_s``, an exclusive
-      prefix over ranks (Sun et al., 2024, LASP, sec. 3.2; Katharopoulos et al., 2020,
-      eq. 9 split at slice boundaries);
-    - non-causal: every query reads ``Σ_s L_s``, one all-reduce (eq. 5).
-
-    The output equals :func:`linattn.linear_attention` on the concatenated sequence, sliced
-    to this rank, and so do the gradients: the exchange is a ``torch.autograd.Function``
-    whose backward sends the gradients of the incoming states back to the earlier ranks
-    (causal) or all-reduces them (non-causal). When training, every rank must call
-    ``backward`` on a loss that uses the output.
-
-    What the ranks must agree on. Before any state moves, the ranks all-gather one row of
-    15 int64 each and compare: batch, heads, ``D``, ``Dv``, ``M``, dtype, ``causal``,
-    ``normalize``, ``eps`` (exactly, as float64 bits), the feature map and, when causal,
-    ``state_exchange``. If any of them differs, every rank raises the same ValueError.
-    The feature map is compared by identity, not by value: a function by its module and
-    qualified name (a name such as ``"elu+1"`` counts as the function it names, so
-    ``"elu+1"`` on one rank and :func:`linattn.elu_plus_one` on another agree); a
-    ``functools.partial`` by its function and its arguments, which must be plain values
-    (numbers, strings, bools, None, tuples of them); an ``nn.Module`` by its class and its
-    ``repr`` (so ``CosFormerFeatures(max_len=64)`` and ``CosFormerFeatures(max_len=128)``
-    disagree); another callable object by its class (its attributes are not compared). What
-    has no name that identifies it is refused with a TypeError: a lambda (every lambda is
-    ``<lambda>``), a function or class defined inside a function (it may close over values
-    that differ between ranks), a partial with a tensor or other non-plain argument, a
-    callable implemented in C (a NumPy ufunc). A feature map's parameters and buffers (a
-    Performer projection, Hedgehog weights) are *not* compared: they must be equal on every
-    rank (same seed, or broadcast them). Free to
-    differ between ranks: the sequence lengths (the table gives every rank all of them, hence
-    its position offset for a position-dependent map), ``attention_mask`` and ``return_state``
-    (local to each rank), ``method`` and ``chunk_size`` (they only choose how a rank
-    computes its own slice; the results agree up to rounding), and ``state_exchange`` when
-    ``causal=False``.
 
     Parameters
     ----------

@@ -1,25 +1,4 @@
-"""Studies too heavy for a notebook: one command each, results written with their provenance.
-
-``python -m linattn.experiments NAME [--workers W] [--cells I,J,...] [--out PATH]`` runs the grid
-of study ``NAME`` (seeds × budgets × models × ...), one grid cell per call of the study's
-``run_cell`` in a worker process with one intra-op thread, and writes a JSON results file
-(by default ``chapters/results/NAME.json``) that holds, besides the results, everything needed
-to reproduce them: the grid, seeds, budgets, the command, the number of threads, the torch and
-Python versions, the CPU, the git commit, the start time and the wall time. The chapter that
-plots the study reads the file, prints the command, and re-runs one cell under nbval, which must
-reproduce the cached value (:func:`check_cell`).
-
-A study is a module of this package with
-
-- ``NAME``: the command-line name;
-- ``DESCRIPTION``: one line;
-- ``grid() -> list[dict]``: the cells, each a JSON-serialisable dict of arguments;
-- ``run_cell(cell: dict) -> dict``: one cell's results (JSON-serialisable; deterministic for a
-  fixed seed and one thread);
-- optionally ``summarise(rows: list[dict]) -> dict``: derived numbers stored next to the rows.
-
-:data:`STUDIES` lists the registered ones.
-"""
+"""Studies too heavy for a notebook: one command each, results written with their provenance."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -164,13 +143,7 @@ def _cell_key(cell: dict) -> str:
 
 
 def _reusable_rows(mod, cells: list[dict]) -> dict:
-    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell.
-
-    A phase-2 study (best learning rate, more seeds) repeats its phase-1 sweep's seed-0 cell at
-    the best rate exactly; every cell is deterministic (fixed seed, one thread), so the phase-1
-    row is that cell's result and is copied, marked ``reused_from`` with the sweep's commit,
-    rather than trained twice. Nothing is reused when the sweep has no results file.
-    """
+    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell."""
     source = getattr(mod, "REUSE_FROM", None)
     if source is None:
         return {}
@@ -226,9 +199,6 @@ def load_results(name_or_path) -> dict:
 
 def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
     """Re-run cell ``index`` of a results document here (one thread); returns (cached, recomputed) results.
-
-    The chapter prints both, rounded to what reproduces, so that nbval compares the cached
-    number with one computed today.
 
     Raises
     ------

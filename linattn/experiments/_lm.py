@@ -1,11 +1,4 @@
-"""Training and evaluating the small character-level language models of the book's studies (private).
-
-One recipe for every model, as in chapter 8 (nanoGPT's): AdamW (β = (0.9, 0.99), weight decay
-0.1), a linear warm-up over 20 steps and a cosine decay to 0 over the whole budget, gradient
-clipping at 1, batches of windows of tiny Shakespeare drawn from a seeded generator (so every
-model of one seed sees the same batches). Evaluation is deterministic: every non-overlapping
-window of the validation split, the loss averaged per position of the window.
-"""
+"""Training and evaluating the small character-level language models of the book's studies (private)."""
 from __future__ import annotations
 
 import math

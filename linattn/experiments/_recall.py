@@ -1,14 +1,4 @@
-"""Training and evaluating the small recall models of the studies (private).
-
-Multi-query associative recall (Arora et al., 2023) as a next-token task for a whole
-:class:`~linattn.TransformerLM`: nothing is hard-wired, so a model must find for itself that a
-value belongs to the key *before* it (by attending to the previous token: a short convolution,
-positions, or two layers). 64 keys and 64 values (the vocabulary of
-:func:`~linattn.tasks.multi_query_associative_recall`'s default), trained on 4, 8 and 16 pairs
-in turn and evaluated up to 32, in batches of 64. An earlier version (256 keys, up to 32 pairs,
-batches of 32, 600 steps) taught no model the lookup on this budget: the best of its sweep
-recalled 22 % of 4 pairs.
-"""
+"""Training and evaluating the small recall models of the studies (private)."""
 from __future__ import annotations
 
 import torch

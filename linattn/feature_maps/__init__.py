@@ -1,23 +1,4 @@
-"""Feature maps φ for linear attention.
-
-A feature map turns a query or key vector of size ``D`` into a feature vector of
-size ``M`` so that the attention similarity becomes a dot product,
-``sim(q, k) = φ(q)ᵀφ(k)`` (Katharopoulos et al., 2020, eq. 4). Every map here acts
-on the last dimension and keeps the leading ones: ``(..., D) -> (..., M)``.
-
-Two kinds live here:
-
-- heuristic maps with no target kernel: :func:`elu_plus_one`, :func:`relu`,
-  :func:`squared_relu`, :class:`DPFPFeatures`, :class:`CosFormerFeatures` (which adds a
-  position re-weighting);
-- maps built to reproduce softmax's kernel ``exp(qᵀk · scale)``: :class:`PerformerFeatures`
-  (unbiased random features), :class:`TaylorFeatures` (its second-order Taylor polynomial,
-  exactly) and :class:`HedgehogFeatures` (learned, fitted with :func:`distill_feature_map`).
-
-No map couples the tokens of a batch or of a sequence: each token's features depend on
-that token alone (and, for cosFormer, on its position), so a batch element cannot change
-another's output and, in causal attention, a later key cannot change an earlier output.
-"""
+"""Feature maps φ for linear attention."""
 from __future__ import annotations
 
 from typing import Callable, Union

@@ -22,17 +22,6 @@ class CosFormerFeatures(nn.Module):
 
         φ(x_i) = [relu(x_i) cos(π i / 2L), relu(x_i) sin(π i / 2L)],   M = 2D
 
-    For ``0 <= i, j < L`` the cosine is positive, so the similarity is non-negative. The
-    same features serve non-causal and causal attention. ``L`` is ``max_len`` if given,
-    else the length of the input (the paper's choice for non-causal attention). Give
-    ``max_len`` for causal use and streaming, where a prefix must get the same features
-    as the whole sequence, and for cross-attention, where queries and keys must share ``L``.
-
-    The features depend on position, so the input must be ``(B, H, T, D)`` with positions
-    ``offset .. offset + T - 1`` along dim 2. For one-token decoding compute
-    ``φ(x[:, :, None], offset=t)[:, :, 0]`` yourself and pass ``feature_map=None``
-    (``linear_attention_step`` calls maps on ``(B, H, D)`` and cannot know ``t``).
-
     Parameters
     ----------
     max_len : int, optional

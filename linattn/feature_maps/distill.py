@@ -17,13 +17,6 @@ def distill_feature_map(feature_map: nn.Module, q: Tensor, k: Tensor, *, steps: 
                         ) -> list[float]:
     """Fit a learnable feature map so that linear attention's weights mimic softmax's.
 
-    Hedgehog's attention distillation (Zhang et al., 2024): minimise the soft cross-entropy
-    between the rows of the softmax weights ``A = softmax(QKᵀ · scale)`` and of the linear
-    weights ``Â_ij = φ(q_i)ᵀφ(k_j) / Σ_l φ(q_i)ᵀφ(k_l)`` with Adam. The loss reported is
-    that cross-entropy minus the entropy of ``A``, i.e. the mean over rows of
-    ``KL(A_i ‖ Â_i)`` in nats (0 for a perfect fit); the gradients are the same.
-    One map is used for queries and keys, as ``linear_attention`` applies one ``φ``.
-
     Parameters
     ----------
     feature_map : nn.Module

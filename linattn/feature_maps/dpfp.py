@@ -19,10 +19,6 @@ class DPFPFeatures(nn.Module):
 
         φ_{(i, n)}(x) = r_i · r_{(i + n) mod 2D},   n = 1..ν,   M = 2·D·ν
 
-    Its features are non-negative and sparse (a product is non-zero only when both entries
-    are); the paper motivates it by making keys nearly orthogonal in a larger space, which
-    raises the capacity of the ``M×Dv`` state. No target kernel.
-
     Parameters
     ----------
     nu : int

@@ -14,11 +14,6 @@ __all__ = ['elu_plus_one', 'relu', 'squared_relu']
 def elu_plus_one(x: Tensor) -> Tensor:
     """φ(x) = elu(x) + 1, the feature map of "Transformers are RNNs".
 
-    Katharopoulos et al. (2020), eq. 7; ELU from Clevert et al. (2016). Elementwise:
-    ``x + 1`` for ``x > 0`` and ``exp(x)`` for ``x <= 0``, so every feature is strictly
-    positive (but not bounded below by 1: it tends to 0 as ``x -> -inf``). It does not
-    approximate a particular kernel; it only makes ``φ(q)ᵀφ(k)`` positive.
-
     Parameters
     ----------
     x : Tensor
@@ -45,12 +40,7 @@ def elu_plus_one(x: Tensor) -> Tensor:
 
 
 class _EluPlusOne(torch.autograd.Function):
-    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes.
-
-    Written in the ``setup_context`` style with a generated ``vmap`` rule (and, in
-    :class:`_EluPlusOneWithJvp`, a forward-mode rule), so that ``torch.func`` transforms
-    (``vmap``, ``grad``, ``jvp``, ``jacrev``, ``hessian``) work through it.
-    """
+    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes."""
 
     generate_vmap_rule = True
 
@@ -86,10 +76,6 @@ class _EluPlusOneWithJvp(_EluPlusOne):
 def relu(x: Tensor) -> Tensor:
     """φ(x) = max(x, 0), the ReLU feature map (used e.g. by cosFormer, Qin et al. 2022, eq. 7).
 
-    Non-negative but not strictly positive: a query whose features are all zero, or one
-    orthogonal to every key's features, has a zero normaliser; ``linear_attention``'s
-    ``eps`` keeps that finite. No target kernel.
-
     Parameters
     ----------
     x : Tensor
@@ -111,12 +97,6 @@ def relu(x: Tensor) -> Tensor:
 
 def squared_relu(x: Tensor) -> Tensor:
     """φ(x) = max(x, 0)², elementwise.
-
-    The squared-ReLU activation of Primer (So et al., 2021), which FLASH (Hua et al.,
-    2022) applies to attention scores, ``relu(qᵀk)²``; used here as a feature map, so that
-    ``φ(q)ᵀφ(k) = Σ_d relu(q_d)² relu(k_d)²``. No target kernel: it is a heuristic that
-    is peakier than :func:`relu` (it grows quadratically with the inputs) and, like it,
-    can give a zero normaliser.
 
     Parameters
     ----------

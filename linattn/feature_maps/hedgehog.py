@@ -17,27 +17,6 @@ __all__ = ['HedgehogFeatures']
 class HedgehogFeatures(nn.Module):
     """Hedgehog's learnable feature map (Zhang et al., 2024).
 
-    ``φ(x) = softmax([Wx + b, -(Wx + b)])`` over the ``2F`` features: the paper's
-    ``[exp(Wx + b), exp(-Wx - b)]`` divided by its sum, which keeps it finite. The division
-    is part of the map, one factor per token, not a stabiliser over tokens; it is not free,
-    though: for a query the factor cancels in the normalisation, for a key it does not, so
-    the kernel is ``exp(±…)ᵀexp(±…) / Z(k)`` with ``Z(k)`` the key's own sum, a different
-    kernel from the paper's. Exponentials of a learned projection can be as peaked as
-    softmax; ``W`` is trained so that the linear attention weights mimic softmax's
-    (:func:`distill_feature_map`).
-
-    The start of ``W`` (``init``):
-
-    - ``"identity"`` (default): the first ``min(F, D)`` rows are those of the identity, as in
-      the square (``F = D``) maps of the common Hedgehog implementations, which start ``W``
-      at the identity and ``b`` at zero; so an untrained map with ``F = D`` is deterministic.
-      Rows beyond ``D`` (``F > D``) are drawn at random, ``N(0, 1/D)`` entries from
-      :func:`seeded_normal` (``seed``, stream 3): zero rows would sit at a symmetric
-      stationary point, since a zero row gives the feature pair ``(1, 1)`` (times the
-      normaliser) whose two gradients cancel, and distillation would never move them.
-    - ``"random"``: every row drawn so, ``N(0, 1/D)`` entries (rows of norm about 1, like
-      the identity's).
-
     Parameters
     ----------
     head_dim : int

@@ -20,29 +20,6 @@ class PerformerFeatures(nn.Module):
 
         φ(x) = exp(W x̃ - |x̃|²/2) / √M,   x̃ = x · √scale
 
-    so ``φ(q)ᵀφ(k)`` is an unbiased estimate of the softmax kernel ``exp(qᵀk · scale)``
-    (every feature is positive, unlike the trigonometric random features of Rahimi and
-    Recht, 2007). With ``orthogonal=True`` the ``ω`` are orthogonal in blocks of ``D``
-    (Gram-Schmidt via QR) and rescaled to the norms of Gaussian vectors: each is still
-    ``N(0, I)`` on its own, so the estimate stays unbiased, and its variance is lower.
-    One feature's variance relative to the kernel's square is ``exp(|q̃ + k̃|²) - 1``: the
-    estimate degrades exponentially with the size of the inputs, i.e. with the sharpness
-    of the attention it approximates (chapter 6 measures it).
-
-    Numerics: the exponent is formed first and exponentiated once (log space), never as
-    ``exp(Wx̃) · exp(-|x̃|²/2)``, whose factors overflow and underflow separately. No
-    stabiliser computed from the data is applied to keys: a maximum taken over the keys
-    of a sequence lets later keys change earlier outputs in causal attention, and one taken
-    over a batch couples its elements (chapter 6 shows both). Keys therefore overflow float32
-    only where ``ωᵀk̃ - |k̃|²/2 > 88``, which needs ``|ω|²/2 > 88`` (large ``D``). For queries,
-    ``forward(q, is_query=True)`` subtracts each query's own maximum exponent: a factor per
-    query, which cancels exactly in normalised attention (use it with
-    ``linear_attention(φ(q, is_query=True), φ(k), v, feature_map=None)``).
-
-    The projection is a function of ``seed`` alone (see ``projection`` below), so it does not
-    touch (or depend on) torch's global random state. It stays fixed between calls; call
-    :meth:`redraw` to draw a new one.
-
     Parameters
     ----------
     head_dim : int, optional
@@ -101,11 +78,7 @@ class PerformerFeatures(nn.Module):
             self._draw(head_dim)
 
     def forward(self, x: Tensor, *, is_query: bool = False) -> Tensor:
-        """``(..., D) -> (..., M)`` positive features, same dtype as ``x``.
-
-        Computed in float32 (float64 for float64 inputs). With ``is_query=True`` each row
-        is divided by its largest entry (see the class docstring).
-        """
+        """``(..., D) -> (..., M)`` positive features, same dtype as ``x``."""
         check_floating(x, "x")
         check_strict_bool(is_query, "is_query")
         D = x.shape[-1]
@@ -202,11 +175,7 @@ _M32 = 0xFFFFFFFF
 
 
 def _hash32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash of each entry of the int64 tensor ``x`` (values in ``[0, 2^32)``).
-
-    The PCG hash of Jarzynski & Olano (2020, "Hash Functions for GPU Rendering"), in int64
-    arithmetic that never overflows (each product is of a 32-bit value and a 30-bit constant).
-    """
+    """A 32-bit integer hash of each entry of the int64 tensor ``x`` (values in ``[0, 2^32)``)."""
     state = (x * 747796405 + 2891336453) & _M32
     word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _M32
     return (word >> 22) ^ word
@@ -214,13 +183,6 @@ def _hash32(x: Tensor) -> Tensor:
 
 def seeded_normal(shape: tuple[int, ...], seed: int, stream: int = 0) -> Tensor:
     """Standard normal float64 numbers determined by ``(seed, stream)`` alone (counter-based).
-
-    Each entry hashes its own index with the seed and goes through the Box-Muller transform,
-    so the draw needs no ``torch.Generator`` and touches no global random state; it is the
-    same on every machine and device, and ``torch.compile`` can trace it (a lazily drawn
-    projection then compiles). ``stream`` separates draws from one seed:
-    :class:`PerformerFeatures` uses stream 0 for i.i.d. projections, 1 for the Gaussian blocks
-    it orthogonalises and 2 for their lengths.
 
     Parameters
     ----------

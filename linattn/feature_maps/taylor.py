@@ -19,12 +19,6 @@ class TaylorFeatures(nn.Module):
 
         φ(x) = [1, x̃, (x̃_i x̃_j · c_ij)_{i <= j}],   c_ii = 1/√2,  c_ij = 1 (i < j)
 
-    gives ``φ(q)ᵀφ(k) = 1 + s + s²/2`` exactly (the symmetric products ``x̃_i x̃_j`` and
-    ``x̃_j x̃_i`` are stored once), with ``M = 1 + D + D(D+1)/2``. The features can be
-    negative, but the kernel is always ``>= 1/2``: ``1 + s + s²/2 = ((1 + s)² + 1)/2``.
-    It matches ``exp(s)`` near ``s = 0`` and is far flatter than it for ``s < -1``, so it
-    cannot give a small weight to a key (chapter 6).
-
     Parameters
     ----------
     scale : float, optional

@@ -1,19 +1,4 @@
-"""Optional fused kernels, each with a pure-PyTorch twin that is its test oracle.
-
-=================================  ====================================================
-fast path                          twin (reference)
-=================================  ====================================================
-``chunk_linear_attention_triton``  :func:`~linattn.ops.linear.naive.naive_chunk_linear_attention`
-  (GPU, Triton)
-``causal_linear_attention_cpu``    :func:`linattn.ops.linear.chunkwise_linear_attention`
-  (CPU, C++ built on first use)
-=================================  ====================================================
-
-Importing this package never imports Triton and never compiles anything: ``import linattn``
-works without either. Triton is imported on first use of its kernel, or by
-:func:`triton_available`; the CPU kernel (:mod:`linattn.kernels.cpu`) is built by the system's
-C++ compiler on its first use, or by :func:`linattn.kernels.cpu.cpu_kernel_available`.
-"""
+"""Optional fused kernels, each with a pure-PyTorch twin that is its test oracle."""
 from __future__ import annotations
 
 import importlib
@@ -28,10 +13,6 @@ from . import _fork  # noqa: F401 (marks forked children for the CPU kernels)
 
 def triton_available() -> bool:
     """Whether the Triton kernels can run here.
-
-    True when Triton imports and either CUDA is present or ``TRITON_INTERPRET=1`` is set
-    (Triton's interpreter runs the kernels on the CPU with NumPy: exact but slow, meant
-    for tests).
 
     Returns
     -------

@@ -1,9 +1,4 @@
-"""Whether this process is a child forked after ``import linattn`` (private).
-
-The compiled CPU kernels run on PyTorch's OpenMP threads, which do not survive ``fork()``: a forked
-child that used them would wait for the parent's threads for ever, so there the kernels start
-threads of their own (a library loaded before the fork is switched by its ``pthread_atfork`` handler).
-"""
+"""Whether this process is a child forked after ``import linattn`` (private)."""
 import os
 
 forked = False

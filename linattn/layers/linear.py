@@ -41,24 +41,11 @@ class LinearAttention(MultiHeadProjections):
 
         y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)
 
-    computed by :func:`linattn.linear_attention` (the reordering of chapter 3 when not
-    causal, the chunkwise form of chapter 5 when causal) and, for one new token, by
-    :func:`linattn.linear_attention_step` (the recurrence of chapter 4, eqs. 18-20).
-    ``n_kv_heads < n_heads`` shares each key-value head between ``n_heads // n_kv_heads``
-    query heads (GQA, Ainslie et al., 2023; MQA, Shazeer, 2019, for ``n_kv_heads=1``).
-    Because ``S = Σ φ(k_j) v_jᵀ`` depends on keys and values only, the state is stored
-    once per key-value head: GQA shrinks the recurrent state as it shrinks a KV cache.
-
     With ``rope=True`` the positions enter as RoFormer puts them into linear attention (Su et
     al., 2021, arXiv:2104.09864, sec. 3.3, eq. 19): the features are rotated in the numerator
-    only, with :func:`linattn.positions.apply_rope` (``R_i`` the rotation of position ``i``)::
+    only, with :func:`linattn.layers.positions.apply_rope` (``R_i`` the rotation of position ``i``)::
 
         y_i = Σ_j (R_i φ(q_i))ᵀ(R_j φ(k_j)) v_j / Σ_j φ(q_i)ᵀφ(k_j)
-
-    so the weights depend on relative positions while the normaliser stays positive. The
-    numerator is :func:`linattn.linear_attention` with ``normalize=False`` on the rotated
-    features, the normaliser the same with ``v = 1`` on the plain ones; the state carries
-    ``S = Σ_j R_j φ(k_j) v_jᵀ`` and ``z = Σ_j φ(k_j)`` (the usual sizes). ``M`` must be even.
 
     Parameters
     ----------
@@ -272,11 +259,7 @@ class LinearAttention(MultiHeadProjections):
 
 
 def _head_features(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """φ(q), φ(k) computed in the accumulation dtype (float32 for half inputs, as the functions do).
-
-    In float16 a feature map such as Performer's exponential underflows or overflows long before
-    float32 does; the features stay in float32 and the attention functions round only the output.
-    """
+    """φ(q), φ(k) computed in the accumulation dtype (float32 for half inputs, as the functions do)."""
     if phi is None:
         return q, k
     acc = _checks.accumulation_dtype(q.dtype)

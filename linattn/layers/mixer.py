@@ -1,42 +1,4 @@
-"""The modern linear token mixer: decay, gates and the delta rule with the pieces today's models use.
-
-:class:`LinearMixer` is one multi-head, causal layer for the update rules of chapter 9 and 10
-(``rule=``), each through its function in :mod:`linattn.ops`:
-
-- ``"retention"``: ``S_t = γ S_{t-1} + k_t v_tᵀ`` with RetNet's fixed ``γ_h = 1 − 2^(−5−h)``
-  (Sun et al., 2023, arXiv:2307.08621);
-- ``"gla"``: ``S_t = diag(α_t) S_{t-1} + k_t v_tᵀ`` with GLA's gate ``log α_t =
-  logsigmoid(W↑W↓ x_t + b) / 16``, a projection of rank 16 (Yang et al., 2024, arXiv:2312.06635);
-- ``"delta"``: ``S_t = (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`` with ``β_t = sigmoid(W_β x_t)``
-  (DeltaNet: Schlag et al., 2021; Yang et al., 2024b, arXiv:2406.06484);
-- ``"gated_delta"``: ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ``, one Mamba-2 decay
-  ``α_t`` per head (Gated DeltaNet: Yang, Kautz & Hatamizadeh, 2025, arXiv:2412.06464, eq. 10);
-- ``"kda"``: ``S_t = (I − β_t k_t k_tᵀ) diag(α_t) S_{t-1} + β_t k_t v_tᵀ``, the decay per key
-  channel (Kimi Delta Attention: Kimi Team, 2025, arXiv:2510.26692);
-
-and ``o_t = S_tᵀ q_t``. Around the rule sit the pieces of today's models, each on by default
-and switchable:
-
-- a causal depthwise **short convolution** (kernel 4) on ``q``, ``k`` and ``v`` after their
-  projections, then SiLU (H3, Fu et al., 2023; "Zoology", Arora et al., 2023; as in Mamba-2
-  and Gated DeltaNet): :class:`ShortConvolution`, whose decoding state is the last
-  ``kernel − 1`` inputs;
-- **L2-normalised** ``q`` and ``k`` per head (Yang et al., 2024b; Gated DeltaNet): the delta
-  rule's ``I − β k kᵀ`` then has eigenvalues ``1`` and ``1 − β``, a stable recurrence;
-- ``q`` scaled by ``head_dim^(-1/2)`` (always: the functions of :mod:`linattn.ops` scale nothing);
-- ``β = sigmoid(W_β x) ∈ (0, 1)``, or with ``negative_eigenvalues=True`` ``2·sigmoid(W_β x) ∈
-  (0, 2)``, which lets ``1 − β`` be negative (Grazzi et al., 2025, "Unlocking State-Tracking
-  in Linear RNNs Through Negative Eigenvalues");
-- the Mamba-2 decay ``α = exp(−exp(A_log) · softplus(W_α x + dt_bias))`` (Dao & Gu, 2024:
-  ``α = exp(Δ A)`` with ``A = −exp(A_log)``, ``Δ = softplus(·)``; initialised as there, ``A``
-  drawn from ``U(1, 16)``, ``dt_bias`` the inverse softplus of a ``Δ`` drawn log-uniformly
-  from ``[0.001, 0.1]``);
-- a per-head **output RMSNorm** and a **SiLU output gate**, ``o = RMSNorm(o) ⊙ silu(W_g x)``
-  (Gated DeltaNet; GLA's swish gate), then the output projection.
-
-The mixers take no positions: the short convolutions and the decay give them order, and
-:class:`~linattn.TransformerLM` hands positions only to softmax and φ-linear layers.
-"""
+"""The modern linear token mixer: decay, gates and the delta rule with the pieces today's models use."""
 from __future__ import annotations
 
 import math
@@ -71,9 +33,6 @@ L2_EPS = 1e-6               # F.normalize's ε for q and k
 
 def retnet_log_gammas(n_heads: int, *, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
     """``log γ_h`` of RetNet's decays ``γ_h = 1 − 2^(−5−h)``, ``h = 0 .. n_heads − 1``.
-
-    Sun et al. (2023, arXiv:2307.08621): head 0 keeps about 32 tokens in view, each further
-    head twice as many.
 
     Parameters
     ----------
@@ -112,13 +71,6 @@ def _mamba2_a_log(n: int) -> Tensor:
 class LinearMixer(GroupedHeads, nn.Module):
     """A multi-head causal token mixer with a matrix-valued state: the modern linear layer.
 
-    ``rule`` chooses the update (see the module docstring for the table and its sources):
-    ``"retention"``, ``"gla"``, ``"delta"``, ``"gated_delta"`` (the default, Gated DeltaNet,
-    Yang, Kautz & Hatamizadeh, 2025, arXiv:2412.06464, eq. 10) or ``"kda"`` (Kimi Delta
-    Attention, Kimi Team, 2025, arXiv:2510.26692: the gated delta rule with one Mamba-2-style
-    decay per key channel, from a low-rank projection of rank ``head_dim``). Chapter 8's
-    normalised φ layer is :class:`~linattn.LinearAttention`, not this.
-
     Per token ``x_t`` (``(B, T, d_model)`` in, ``(B, T, d_model)`` out)::
 
         q, k, v = W_q x, W_k x, W_v x                       # n_heads, n_kv_heads, n_kv_heads heads
@@ -128,17 +80,6 @@ class LinearMixer(GroupedHeads, nn.Module):
         S_t = rule(S_{t-1}; k_t, v_t, α_t, β_t),   o_t = S_tᵀ q_t
         o_t = RMSNorm(o_t) ⊙ silu(W_g x_t)                            # output_norm, output_gate
         y_t = W_o o_t
-
-    Always causal (the rules have no bidirectional form here). Decoding: ``forward`` with
-    ``state`` continues a sequence and ``return_state`` returns a :class:`MixerState` whose
-    size is fixed; ``T`` calls of one token equal one call over ``T`` tokens. Padding
-    (``attention_mask``) is removed: at a padded token ``k = v = 0``, ``β = 0`` and ``log α = 0``
-    (the state does not change, not even by the fixed decay of retention, which then runs
-    as GLA with ``log α = log γ`` at real tokens), and the short convolution skips it.
-
-    Grouped heads: ``n_kv_heads < n_heads`` shares ``k``, ``v``, ``α`` and ``β`` (and so the
-    state) among ``n_heads / n_kv_heads`` query heads (GQA, Ainslie et al., 2023; the
-    retention decays ``γ_h`` are then one per key-value head).
 
     Parameters
     ----------

@@ -19,31 +19,6 @@ __all__ = ["LinearMultiheadAttention"]
 class LinearMultiheadAttention(MultiHeadProjections):
     """Linear attention behind ``nn.MultiheadAttention``'s call (Katharopoulos et al., 2020).
 
-    ``forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
-    is_causal=False) -> (output, None)``, with PyTorch's meanings: ``key_padding_mask`` True
-    marks *padding*, ``is_causal=True`` (or ``attn_mask`` holding the causal mask) lets query
-    ``i`` see keys ``j <= i``. Per head it computes what :class:`LinearAttention` computes,
-    with ``q``, ``k``, ``v`` projected from ``query``, ``key`` and ``value`` (so it also does
-    cross-attention, ``Tq != Tk``, when not causal), through
-    :func:`linattn.linear_attention`.
-
-    What differs from ``nn.MultiheadAttention``, all refused loudly rather than ignored:
-
-    - **Batch first only**: ``batch_first=True`` must be passed (PyTorch's default,
-      ``False``, would read ``(seq, batch, embed)`` tensors the other way round), and the
-      inputs must be 3-D.
-    - **No attention weights**: linear attention never forms the ``Tq×Tk`` matrix (that is
-      what makes it linear), so ``need_weights`` defaults to False and True is refused; the
-      second output is always None.
-    - **No arbitrary attn_mask**: only the causal mask can be applied (as a bool mask, True =
-      masked, or a float mask, ``-inf`` above the diagonal and 0 elsewhere, such as
-      ``nn.Transformer.generate_square_subsequent_mask``); ``is_causal=True`` needs no mask.
-    - **No dropout, add_bias_kv, add_zero_attn, kdim, vdim**, and a bool
-      ``key_padding_mask`` only (a float, additive one has no linear-attention form).
-    - Different parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` (as
-      :class:`LinearAttention`, whose ``state_dict`` it can load), not the packed
-      ``in_proj_weight``: PyTorch's saved weights do not load into it.
-
     Parameters
     ----------
     embed_dim : int

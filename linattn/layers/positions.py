@@ -1,23 +1,4 @@
-"""Where a token is: position schemes of :class:`~linattn.TransformerLM` and rotary embeddings.
-
-Three schemes (``positions=`` of the model):
-
-- ``"learned"``: a learned absolute embedding added to the token embedding (GPT-2); it has
-  ``max_len`` rows, so it bounds the length of a sequence.
-- ``"rope"``: rotary position embedding (Su et al., 2021, RoFormer, arXiv:2104.09864):
-  queries and keys are rotated by an angle proportional to their position, so that
-  ``(R_i q)ᵀ(R_j k) = qᵀ R_{j-i} k`` depends on ``j − i`` only. Nothing is learned and
-  nothing bounds the length.
-- ``"none"``: no position signal but what causal attention and the short convolutions give
-  (causal softmax attention can infer positions by itself: Haviv et al., 2022).
-
-:data:`DEFAULT_POSITIONS` is the model's default: one constant, so that a chapter's
-measurement can change it in one place.
-
-Positions count real tokens: a token's position is the number of real (unpadded) tokens
-before it in its sequence, earlier calls included, so a left-padded prompt gets exactly the
-positions of the same prompt alone.
-"""
+"""Where a token is: position schemes of :class:`~linattn.TransformerLM` and rotary embeddings."""
 from __future__ import annotations
 
 from typing import Optional
@@ -58,10 +39,6 @@ def apply_rope(x: Tensor, positions: Tensor, *, base: float = ROPE_BASE) -> Tens
         θ_i = base^(−2i/D),   i = 0 .. D/2 − 1
         out[..., i]       = x[..., i] cos(p θ_i) − x[..., i + D/2] sin(p θ_i)
         out[..., i + D/2] = x[..., i + D/2] cos(p θ_i) + x[..., i] sin(p θ_i)
-
-    So ``apply_rope(q, i)ᵀ apply_rope(k, j)`` depends on ``q``, ``k`` and ``j − i`` only. The
-    angles and the rotation are computed in float32 (float64 for float64 ``x``) with autocast
-    off; the result is in the dtype of ``x``.
 
     Parameters
     ----------
@@ -106,10 +83,7 @@ def apply_rope(x: Tensor, positions: Tensor, *, base: float = ROPE_BASE) -> Tens
 
 
 def check_positions(positions, batch: int, seq: int, device, name: str = "positions") -> None:
-    """``positions`` is a ``(batch, seq)`` int64 tensor of values ``>= 0`` on ``device``.
-
-    Raises TypeError for a non-tensor or another dtype, ValueError for another shape or device
-    or a negative value (RuntimeError under ``torch.compile``)."""
+    """``positions`` is a ``(batch, seq)`` int64 tensor of values ``>= 0`` on ``device``."""
     if not isinstance(positions, Tensor) or positions.dtype != torch.long:
         got = (f"a {positions.dtype} tensor" if isinstance(positions, Tensor) else _checks.type_name(positions))
         raise TypeError(f"{name} must be an int64 tensor of shape (batch, seq) = ({batch}, {seq}), got {got}")

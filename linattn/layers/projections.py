@@ -75,10 +75,7 @@ class MultiHeadProjections(GroupedHeads, nn.Module):
                 f"head_dim={self.head_dim}, causal={self.causal}" + (", rope=True" if self.rope else ""))
 
     def _positions(self, positions, x: Tensor, attention_mask: Optional[Tensor], state) -> Optional[Tensor]:
-        """The ``(B, T)`` positions RoPE rotates by (None without RoPE), checked or counted.
-
-        Counted (when not given) as real tokens from 0, after the real tokens of a KVCache;
-        a LinearAttentionState does not record its length, so continuing one needs them."""
+        """The ``(B, T)`` positions RoPE rotates by (None without RoPE), checked or counted."""
         B, T, _ = x.shape
         if not self.rope:
             if positions is not None:

@@ -17,13 +17,6 @@ __all__ = ["ShortConvolution"]
 class ShortConvolution(nn.Module):
     """A causal depthwise convolution over the sequence, with a decoding state.
 
-    Channel ``c`` of token ``t`` becomes ``y_{t,c} = Σ_{j<K} w_{c,j} u_{t−K+1+j, c}`` (the
-    short convolutions of H3, Fu et al., 2023, and "Zoology", Arora et al., 2023), a sliding
-    window over the last ``K`` tokens; positions before the first token hold the state (zeros
-    for a fresh sequence). There is no bias and no activation (the caller applies SiLU).
-    Padded tokens are removed, not zeroed: each real token sees the ``K − 1`` real tokens
-    before it, whatever padding lies between them (left, right or in the middle).
-
     Parameters
     ----------
     channels : int

@@ -19,17 +19,6 @@ __all__ = ["SoftmaxAttention"]
 class SoftmaxAttention(MultiHeadProjections):
     """Multi-head softmax attention with a KV cache: the baseline for :class:`LinearAttention`.
 
-    ``softmax(q kᵀ / sqrt(head_dim)) v`` per head (Vaswani et al., 2017, eq. 1), computed by
-    ``torch.nn.functional.scaled_dot_product_attention``. Same constructor and ``forward``
-    as :class:`LinearAttention`; the decoding state is a :class:`KVCache` holding every
-    earlier key and value, so its size and the cost of a step grow with the position.
-
-    As :class:`LinearAttention`: **not causal by default** (``causal=False`` sees the
-    future; pass ``causal=True`` for a language model), **self-attention only**
-    (``forward(x)`` returns the output alone; not a drop-in for ``nn.MultiheadAttention``,
-    which takes ``(query, key, value)`` and returns ``(output, weights)``), and **batch
-    first only** (``x`` is ``(batch, seq, d_model)``).
-
     Parameters
     ----------
     d_model : int
@@ -46,7 +35,7 @@ class SoftmaxAttention(MultiHeadProjections):
     rope : bool
         Rotate ``q`` and ``k`` by their positions before the scores (RoFormer, Su et al.,
         2021, arXiv:2104.09864, eq. 16; GPT-NeoX's half rotation,
-        :func:`linattn.positions.apply_rope`), so that a score depends on the relative position
+        :func:`linattn.layers.positions.apply_rope`), so that a score depends on the relative position
         only. The cache holds the rotated keys. Needs an even ``head_dim``.
     rope_base : float
         RoPE's base (RoFormer: 10000), ``> 1``.
@@ -164,11 +153,7 @@ class SoftmaxAttention(MultiHeadProjections):
         return batch * seq_len * (2 * self.n_kv_heads * self.head_dim * element + 1)
 
     def _check_state(self, state, x: Tensor, key_dtype: Optional[torch.dtype] = None) -> None:
-        """Checked at every use (not only when the cache was built: its attributes may have been replaced).
-
-        ``key_dtype`` is the dtype of this call's keys (the parameters' dtype, or autocast's): the
-        cache must hold keys of that dtype; None skips that check.
-        """
+        """Checked at every use (not only when the cache was built: its attributes may have been replaced)."""
         if state is None:
             return
         if not isinstance(state, KVCache):

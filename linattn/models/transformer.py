@@ -55,11 +55,6 @@ def _state_type(attn: nn.Module) -> type:
 class TransformerBlock(nn.Module):
     """A pre-norm Transformer block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``.
 
-    The token mixer is :class:`LinearAttention`, :class:`SoftmaxAttention` or a
-    :class:`~linattn.LinearMixer`; the MLP is ``Linear(d_model, mlp_ratio·d_model)``, GELU,
-    ``Linear(mlp_ratio·d_model, d_model)`` (Vaswani et al., 2017, with the layer norm moved
-    before each sublayer as in GPT-2 and Xiong et al., 2020).
-
     Parameters
     ----------
     d_model, n_heads : int
@@ -171,33 +166,6 @@ class TransformerConfig:
 
 class TransformerLM(nn.Module):
     """A decoder-only Transformer language model with linear, softmax or hybrid token mixing.
-
-    Token embedding, ``n_layers`` causal :class:`TransformerBlock`\\ s, a final layer norm and
-    an output layer tied to the token embedding (Press & Wolf, 2017), as in GPT-2 and
-    nanoGPT. With ``attention="linear"`` it is the linear Transformer of Katharopoulos et
-    al. (2020): trained in parallel (chunkwise), it generates as an RNN from a fixed-size
-    state; with ``"softmax"`` it generates from a KV cache; with a rule of
-    :class:`~linattn.LinearMixer` (``"gated_delta"``, ...) from that mixer's fixed-size state.
-    A list names one mixer per layer, a hybrid such as ``["gated_delta"] * 3 + ["softmax"]``
-    (the pattern of Qwen3-Next and Kimi Linear: mostly linear layers, a few softmax ones);
-    its decoding state holds a fixed-size state for each linear layer and a KV cache for
-    each softmax layer (:meth:`decoding_state_nbytes`).
-
-    Positions (``positions=``, see :mod:`linattn.positions`):
-
-    - ``"learned"``: a learned absolute embedding of ``max_len`` rows added to the token
-      embedding (GPT-2); a sequence then holds at most ``max_len`` real tokens. This is the
-      model of chapter 8 (``positions="learned", max_len=128``).
-    - ``"rope"``: rotary embeddings in every softmax and φ-linear layer (RoFormer; for
-      linear attention in the numerator only, see :class:`LinearAttention`); nothing is
-      learned and nothing bounds the length.
-    - ``"none"``: no position signal besides causality (and the short convolutions).
-
-    The :class:`~linattn.LinearMixer` layers take no positions in any scheme: their short
-    convolutions and decays give them order. The default is
-    :data:`linattn.positions.DEFAULT_POSITIONS` (``"rope"``), which does not bound how long a
-    linear model generates. Positions count real tokens, so a left-padded prompt is processed
-    exactly as the same prompt alone.
 
     Parameters
     ----------
@@ -397,9 +365,7 @@ class TransformerLM(nn.Module):
         _checks.check_values((idx >= 0) & (idx < V), "idx", f"a tensor of token ids in [0, {V})", idx)
 
     def _check_state(self, state, batch: int, device) -> Tensor:
-        """The positions where the sequences continue: (B,) int64 (zeros without a state).
-
-        Checked at every use; each layer state is checked again by its attention layer."""
+        """The positions where the sequences continue: (B,) int64 (zeros without a state)."""
         if state is None:
             return torch.zeros(batch, dtype=torch.long, device=device)
         if not isinstance(state, DecodingState):
@@ -425,12 +391,6 @@ class TransformerLM(nn.Module):
     def decoding_state_nbytes(self, position: int, batch: int = 1) -> int:
         """Bytes of the :class:`DecodingState` after ``position`` tokens (no padding), computed from the sizes.
 
-        Equal to ``state.nbytes`` of the state :meth:`forward` returns after ``position``
-        tokens of ``batch`` sequences in the parameters' dtype: a fixed size for each
-        linear layer (:class:`~linattn.LinearAttentionState`, :class:`~linattn.MixerState`),
-        a cache growing by one key and one value per token for each softmax layer, and the
-        ``(batch,)`` int64 positions. For plots of memory against position.
-
         Parameters
         ----------
         position : int
@@ -455,9 +415,6 @@ class TransformerLM(nn.Module):
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.
 
-        ``targets`` holds token ids in ``[0, vocab_size)``, or ``-100`` for positions that are not
-        scored (``F.cross_entropy``'s ``ignore_index``).
-
         Raises
         ------
         TypeError
@@ -481,18 +438,6 @@ class TransformerLM(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
                  *, attention_mask: Optional[Tensor] = None, generator: Optional[torch.Generator] = None) -> Tensor:
         """Continue each prompt by ``max_new_tokens`` tokens, one at a time, from the decoding state.
-
-        The prompt is processed in one parallel pass that returns the state (the recurrent
-        state of each linear layer, the KV cache of each softmax layer); each new token then
-        costs one step from that state. Sampling follows nanoGPT: the logits optionally cut
-        to the ``top_k`` largest, divided by ``temperature``, then a draw from their softmax.
-        Every argument is checked before anything runs, whatever ``max_new_tokens`` is.
-
-        A model with a ``max_len`` holds at most ``max_len`` real tokens per sequence, the
-        prompt's and the generated ones together (``longest prompt + max_new_tokens <=
-        max_len``), so the returned sequences are valid inputs of :meth:`forward` (with the mask
-        extended by True). Without one (``positions="rope"`` or ``"none"`` and ``max_len=None``)
-        any number of tokens can be generated; with only linear layers each costs the same.
 
         Parameters
         ----------

@@ -1,7 +1,4 @@
-"""The pieces the operator families share (private): validation, chunking, the scan, range sums.
-
-See :mod:`linattn.ops` for the families and the ideas their chunk forms share.
-"""
+"""The pieces the operator families share (private): validation, chunking, the scan, range sums."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Union
@@ -96,16 +93,7 @@ def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor
 
 def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
         chunk: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The chosen algorithm; the chunk form ``chunk(q, k, v) -> (out, S)`` keeps non-finite values causal.
-
-    A NaN or infinity in a later value or key of a chunk would reach the earlier rows through
-    the zeros of the chunk's causal masks (``0 · NaN = NaN``); it also makes the final state
-    non-finite. So the chunk form runs as usual, and only if its final state is not finite
-    again on sanitised inputs, whose outputs and state then get NaN exactly where they depend on
-    a non-finite input (:class:`linattn._numerics.CausalPoison`): the positions before the first
-    non-finite input get bit for bit the outputs of finite inputs. Under ``torch.compile``, which
-    cannot branch on the check, the sanitised computation always runs.
-    """
+    """The chosen algorithm; the chunk form ``chunk(q, k, v) -> (out, S)`` keeps non-finite values causal."""
     if p.method == "recurrent":
         backends._record("torch")
         return recurrent()
@@ -162,12 +150,7 @@ def from_chunks(x: Tensor, T: int) -> Tensor:
 
 
 def scan(S0: Tensor, step: Callable[..., Tensor], *per_chunk: Tensor) -> tuple[Tensor, Tensor]:
-    """States before each chunk (B, H, N, Dk, Dv) and after the last, by ``S <- step(S, *x[:, :, n])``.
-
-    The per-chunk tensors ``(B, H, N, ...)`` are split with ``unbind`` once: indexing
-    ``x[:, :, n]`` inside the loop would make autograd write a zero tensor of ``x``'s full
-    size for every chunk in the backward pass (``T/C`` times the size of ``x``).
-    """
+    """States before each chunk (B, H, N, Dk, Dv) and after the last, by ``S <- step(S, *x[:, :, n])``."""
     S, before = S0, []
     for xs in zip(*(x.unbind(2) for x in per_chunk)):
         before.append(S)
@@ -184,11 +167,6 @@ GROUP_NUMBERS = 1 << 17
 
 
 def groups(n: int, per_item: int) -> list[slice]:
-    """Slices of ``range(n)`` holding about ``GROUP_NUMBERS`` numbers of ``per_item`` each.
-
-    The level-by-level passes make several element-wise sweeps over tensors of the batch's size;
-    run on groups of chunks whose temporaries stay in the CPU's cache, each sweep costs a
-    fraction of one through main memory.
-    """
+    """Slices of ``range(n)`` holding about ``GROUP_NUMBERS`` numbers of ``per_item`` each."""
     size = max(1, GROUP_NUMBERS // per_item)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]

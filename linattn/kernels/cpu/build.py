@@ -1,9 +1,4 @@
-"""Building the CPU kernels' library: the compiler, the cache folder, and a build that is never half-written.
-
-The C++ sources beside this file are compiled once per source text, flags, compiler and CPU into
-``LINATTN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/linattn`` or ``~/.cache/linattn``); ``CXX`` names
-the compiler (default: the first of ``c++``, ``g++``, ``clang++`` on the PATH).
-"""
+"""Building the CPU kernels' library: the compiler, the cache folder, and a build that is never half-written."""
 from __future__ import annotations
 
 import hashlib

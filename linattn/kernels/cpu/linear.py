@@ -1,54 +1,4 @@
-"""An optional compiled CPU path for causal linear attention (forward and backward).
-
-The twin of :func:`linattn.ops.linear.chunkwise_linear_attention` (same arguments, same results
-up to rounding), for float32 and float64 CPU tensors. It is built on first use from the C++
-file next to this one (``cpu_causal.cpp``: plain C++, no PyTorch headers) with the system's C++
-compiler and loaded with :mod:`ctypes`; where no compiler exists or the build fails, it is
-simply not available and :func:`linattn.linear_attention` keeps its PyTorch path. Installing
-``linattn`` never compiles anything.
-
-Why a compiled path on the CPU. The chunkwise form (chapter 5) does about twice the FLOPs of
-the token recurrence (``4·M·Dv`` per token: update the state, read it), in batched matrix
-products of ``64×64`` blocks that PyTorch's BLAS runs well below its large-matrix rate, plus
-the passes over memory between them. A loop over tokens in C++ with the ``M×Dv`` state in the
-cache does half the FLOPs (this one, with its two-level sums, about 0.6), but a naive one
-(fast-transformers' CPU kernel) runs far below the machine's rate too: every token loads and
-stores the whole state. Here each tile of the state (a few rows × 32 float32 columns) stays in
-vector registers while a block of tokens streams through it, so the inner loop is two fused
-multiply-adds per loaded number.
-
-One pass computes, per head, ``out_t = a_tᵀ X_t`` with ``X_t = X_init + Σ_{s<=t} b_s c_sᵀ``
-(``s >= t`` for a reverse pass) and returns the final ``X``; the state is summed in two levels,
-within blocks of ``chunk_size`` tokens and across blocks, as in the chunkwise form. With
-``g`` the upstream gradient, ``d_t`` the normaliser used and ``y`` the output::
-
-    forward      a, b, c = φ(q), φ(k), v          (+ d_t = φ(q_t)ᵀ z_t, y_t = num_t / d_t)
-    dφ(q)        a, b, c = [g/d, g_d], [v, 1], φ(k)        causal,  X_init = [S0ᵀ; z0]
-    dφ(k)        a, b, c = [v, 1], [g/d, g_d], φ(q)        reverse, X_init = [g_Sᵀ; g_z] -> [·; dz0]
-    dv           a, b, c = φ(k), φ(q), g/d                 reverse, X_init = g_S -> dS0
-
-with ``g_d = −(g·y)/d`` (0 where ``eps`` replaced ``d``). Causality with non-finite values holds
-by construction: a token enters the state only at its own position, and no masked product
-multiplies a later token by zero.
-
-The same library holds a token loop of the delta rule and the gated delta rule
-(``cpu_delta.cpp``, :func:`delta_rule_cpu`): there the chunk form's extra work (the triangular
-solve, the ``C × C`` decays, a dozen passes over memory per chunk) is what a loop with the
-``Dk × Dv`` state in the L1 cache avoids; two passes over the state per token forward, four
-backward, from states kept every ``chunk_size`` tokens. Without the delta correction the same
-loop runs retention and GLA (:func:`decay_cpu`): one pass per token forward, two backward.
-
-Threads: the heads are shared among ``torch.get_num_threads()`` threads, those of the OpenMP
-runtime PyTorch loaded where it is found (:func:`_torch_openmp`, ``cpu_parallel.h``): after a
-parallel PyTorch operation its threads spin for milliseconds, and threads of our own started
-meanwhile ran no faster on two cores than one.
-
-Environment: ``LINATTN_CPU_KERNEL=1`` makes :func:`linattn.linear_attention`,
-:func:`linattn.delta_rule`, :func:`linattn.gated_delta_rule`, :func:`linattn.retention` and
-:func:`linattn.gated_linear_attention` (``method="chunk"``, CPU,
-float32/float64, and half inputs, which compute in float32) use this library; ``CXX`` names the compiler (default ``c++``);
-``LINATTN_CACHE_DIR`` the folder for the built library (default ``~/.cache/linattn``).
-"""
+"""An optional compiled CPU path for causal linear attention (forward and backward)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -67,13 +17,7 @@ __all__ = ["causal_linear_attention_cpu"]
 def _pass(a: Tensor, b: Tensor, c: Tensor, X: Tensor, chunk_size: int, *, reverse: bool,
           z: Optional[Tensor] = None, den: Optional[Tensor] = None, ok: Optional[Tensor] = None,
           eps: float = 1.0, extra: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
-    """One pass over (B, H, T, ·) tensors: ``out_t = a_tᵀ X_t``; ``X`` (B, H, Da, Dc) is updated in place.
-
-    ``c`` and ``X`` must already be padded to whole vectors (:func:`_pad_to_vector`); ``a`` and
-    ``b`` are contiguous ``(B, H, T, Da)``. ``extra = (ea, eb, Xe)`` adds one state row ``Xe``
-    (B, H, Dc) with per-token numbers ``ea``, ``eb`` (B, H, T): ``out_t += ea_t (Xe + Σ eb_s c_s)``,
-    the normaliser's row. Returns ``out`` ``(B, H, T, Dc)``.
-    """
+    """One pass over (B, H, T, ·) tensors: ``out_t = a_tᵀ X_t``; ``X`` (B, H, Da, Dc) is updated in place."""
     B, H, T, Da = a.shape
     Dc = c.shape[-1]
     chunk_size = max(1, min(chunk_size, T))     # a block longer than T holds T tokens (C near 2⁶³ overflowed)
@@ -104,14 +48,7 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor], z0: 
 
 
 def _backward(g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, needs):
-    """Gradients of φ(q), φ(k), v, S0, z0 (None where not needed): three passes of the kernel.
-
-    With ``g`` the upstream gradient of the output and ``d`` the normaliser used:
-    ``g_num = g / d`` and ``g_d = −(g·y)/d`` (0 where eps replaced d); then (module docstring)
-    dφ(q) is the causal pass (g_num, v, φ(k)) with the normaliser row (g_d, 1) from ``[S0ᵀ; z0]``,
-    dφ(k) the reverse pass (v, g_num, φ(q)) with the row (1, g_d) from ``[g_Sᵀ; g_z]``, ending at
-    ``[·; dz0]``, and dv the reverse pass (φ(k), φ(q), g_num) from ``g_S``, ending at ``dS0``.
-    """
+    """Gradients of φ(q), φ(k), v, S0, z0 (None where not needed): three passes of the kernel."""
     normalize, C, has_S0, has_z0 = config
     B, H, T, M = phi_q.shape
     Dv = v.shape[-1]
@@ -194,11 +131,7 @@ class _CpuCausalLinearAttention(torch.autograd.Function):
 
 
 class _CpuEluCausalLinearAttention(torch.autograd.Function):
-    """As :class:`_CpuCausalLinearAttention`, with φ = elu+1 applied inside: ``q``, ``k`` are raw.
-
-    Only the features are saved; the chain rule through φ uses ``φ'(x) = min(φ(x), 1)`` in one pass
-    of the library.
-    """
+    """As :class:`_CpuCausalLinearAttention`, with φ = elu+1 applied inside: ``q``, ``k`` are raw."""
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
@@ -236,10 +169,6 @@ def causal_linear_attention_cpu(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opt
                                 chunk_size: int = 64, feature_map: Optional[str] = None
                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Causal linear attention on features with the compiled CPU kernel (forward and backward).
-
-    Computes what :func:`linattn.ops.linear.chunkwise_linear_attention` computes, with the same
-    arguments, and is differentiable with respect to ``phi_q``, ``phi_k``, ``v``, ``S0`` and
-    ``z0`` (no double backward). Autocast is switched off inside.
 
     Parameters
     ----------

@@ -1,12 +1,4 @@
-"""The compiled token loop of the decay family: the delta rule, the gated delta rule, retention and GLA.
-
-One loop (``cpu_delta.cpp``) for ``S_t = diag(α_t) S_{t−1} + k_t u_tᵀ``, ``o_t = S_tᵀ q_t``, with
-``u_t = β_t (v_t − (diag(α_t) S_{t−1})ᵀ k_t)`` (the delta rules; Schlag et al., 2021; Yang, Kautz &
-Hatamizadeh, 2025, arXiv:2412.06464, eq. 10) or ``u_t = v_t`` (retention and GLA; Sun et al., 2023;
-Yang et al., 2024). The ``Dk × Dv`` state stays in the L1 cache; states kept every ``chunk_size``
-tokens, ``(B, H, ⌈T/C⌉, Dk, Dv)``, are where the backward pass restarts. Its PyTorch twin is
-:func:`token_loop_ops`, which a backward pass that must itself be differentiable runs op by op.
-"""
+"""The compiled token loop of the decay family: the delta rule, the gated delta rule, retention and GLA."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,13 +23,7 @@ def _check_chunk_size(chunk_size) -> int:
 
 def delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_g: Optional[Tensor], S0: Tensor,
                    chunk_size: int) -> tuple[Tensor, Tensor]:
-    """The (gated) delta rule token by token: ``(out (B, H, T, Dv), S_final (B, H, Dk, Dv))``.
-
-    ``q``, ``k`` ``(B, H, T, Dk)``, ``v`` ``(B, H, T, Dv)``, ``beta`` ``(B, H, T)``, ``log_g`` None
-    (no gates), ``(B, H, T, 1)`` (one per head) or ``(B, H, T, Dk)`` (one per key channel), ``S0``
-    ``(B, H, Dk, Dv)``; all CPU float32 or all float64, checked by the calling op. Differentiable
-    with respect to every input.
-    """
+    """The (gated) delta rule token by token: ``(out (B, H, T, Dv), S_final (B, H, Dk, Dv))``."""
     chunk_size = _check_chunk_size(chunk_size)
     gate = None if log_g is None else ("head" if log_g.shape[-1] == 1 else "channel")
     keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, log_g, S0))
@@ -45,12 +31,7 @@ def delta_rule_cpu(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_g: Optiona
 
 
 def decay_cpu(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, S0: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
-    """Retention (``α_t = γ``) and GLA (``α_t = exp(log_g_t)``) token by token: ``(out, S_final)``.
-
-    ``alpha`` ``(B, H, T)`` (one gate per head) or ``(B, H, T, Dk)`` (per key channel) in ``[0, 1]``,
-    differentiable (compute it from ``γ`` or ``log_g`` and autograd carries the gradient back); the
-    rest as :func:`delta_rule_cpu`.
-    """
+    """Retention (``α_t = γ``) and GLA (``α_t = exp(log_g_t)``) token by token: ``(out, S_final)``."""
     chunk_size = _check_chunk_size(chunk_size)
     if alpha.shape not in (k.shape[:3], k.shape):
         raise ValueError(f"alpha must have shape {shape_str(k.shape[:3])} or {shape_str(k.shape)}, "
@@ -61,10 +42,7 @@ def decay_cpu(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, S0: Tensor, chunk_
 
 
 def token_loop_ops(q, k, v, beta, alpha, S0):
-    """The loop of this module op by op in PyTorch (for second derivatives): ``(out, S)``.
-
-    ``beta`` None: ``u_t = v_t`` (retention, GLA); ``alpha`` None: no decay (the delta rule).
-    """
+    """The loop of this module op by op in PyTorch (for second derivatives): ``(out, S)``."""
     a = None if alpha is None else (alpha if alpha.dim() == 4 else alpha.unsqueeze(-1))
     S, outs = S0, []
     for t in range(k.shape[2]):
@@ -84,11 +62,7 @@ def _delta_ops(q, k, v, beta, log_g, S0):
 
 
 class _CpuTokenLoop(torch.autograd.Function):
-    """Forward: one pass of the loop (keeping the state every ``chunk_size`` tokens); backward: one.
-
-    With ``beta`` the delta rule's loop, whose gate input is ``log_g``; without, the decay loop,
-    whose gate input is ``alpha`` itself.
-    """
+    """Forward: one pass of the loop (keeping the state every ``chunk_size`` tokens); backward: one."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, gate_input, S0, chunk_size: int, gate: Optional[str], keep: bool):

@@ -1,11 +1,4 @@
-"""Loading the CPU kernels' library and calling it: its C signatures, OpenMP threads, buffers.
-
-The library is built on first use (:mod:`.build`); where no compiler exists or the build fails it
-is simply not available (:func:`cpu_kernel_available` False, :func:`build_info` says why) and the
-ops keep their PyTorch path. Threads: the heads are shared among ``torch.get_num_threads()``
-threads of the OpenMP runtime PyTorch loaded where it is found (``cpu_parallel.h``), threads of
-the library's own in a forked child (their runtime's threads do not survive ``fork``).
-"""
+"""Loading the CPU kernels' library and calling it: its C signatures, OpenMP threads, buffers."""
 from __future__ import annotations
 
 import ctypes
@@ -123,14 +116,7 @@ def _library():
 
 
 def _torch_openmp() -> Optional[tuple[int, int, int]]:
-    """``GOMP_parallel``, ``omp_get_thread_num``, ``omp_get_num_threads`` of the OpenMP runtime PyTorch loaded.
-
-    The kernels run their heads on that runtime's threads (see ``cpu_parallel.h``): after each
-    parallel PyTorch operation they spin for milliseconds, and threads of our own started meanwhile
-    shared their cores with them. Found in ``/proc/self/maps`` (Linux; libgomp, or Intel's and
-    LLVM's runtimes, which export the same entry points); None elsewhere, or if no such library is
-    loaded: the kernels then start threads of their own.
-    """
+    """``GOMP_parallel``, ``omp_get_thread_num``, ``omp_get_num_threads`` of the OpenMP runtime PyTorch loaded."""
     try:
         maps = pathlib.Path("/proc/self/maps").read_text()
     except OSError:

@@ -1,41 +1,4 @@
-"""Chunkwise causal linear attention as fused Triton kernels (forward and backward).
-
-The fast twin of :func:`linattn.ops.linear.chunk_linear_attention`, which is the clear
-reference and the test oracle: same arguments, same results up to float32 rounding.
-With ``C = chunk_size``, ``N = ceil(T / C)`` chunks and ``X_c`` the rows of chunk ``c``
-(Hua et al., 2022, sec. 3.3; Yang et al., 2024, sec. 2.2)::
-
-    S_{-1} = S0,    S_c = S_{c-1} + K_cᵀ V_c                  state scan
-    O_c = Q_c S_{c-1} + tril(Q_c K_cᵀ) V_c                     outputs, all chunks at once
-
-Backward, given ``dO`` and ``dS = ∂L/∂S_{N-1}``, runs the same scan in reverse over
-``G_c = ∂L/∂S_c``::
-
-    G_{N-1} = dS,    G_{c-1} = G_c + Q_cᵀ dO_c,    dS0 = G_{-1}
-    dQ_c = tril(dO_c V_cᵀ) K_c + dO_c S_{c-1}ᵀ
-    dK_c = tril(dO_c V_cᵀ)ᵀ Q_c + V_c G_cᵀ
-    dV_c = tril(Q_c K_cᵀ)ᵀ dO_c + K_c G_c
-
-Kernels (one program per grid cell; ``BK``, ``BV`` are power-of-two tiles of ``M``, ``Dv``):
-
-- ``_state_scan_kernel``, grid ``(B·H, ceil(M/BK), ceil(Dv/BV))``: walks the chunks in
-  order (or in reverse), keeps one float32 ``(BK, BV)`` tile of the state in registers,
-  writes the tile as it stands before each chunk, and the final tile. Forward it scans
-  ``K_cᵀ V_c`` from ``S0``; backward ``Q_cᵀ dO_c`` from ``dS``, ending at ``dS0``.
-- ``_output_kernel``, grid ``(B·H, N, ceil(Dv/BV))``: one chunk's outputs.
-- ``_dqk_kernel``, grid ``(B·H, N, ceil(M/BK))``: one chunk's ``dQ`` and ``dK``.
-- ``_dv_kernel``, grid ``(B·H, N, ceil(Dv/BV))``: one chunk's ``dV``.
-
-Only the inputs are saved for backward; the per-chunk states ``S_{c-1}`` are recomputed
-by a second forward scan. Memory beyond inputs and outputs: ``N`` float32 ``M×Dv`` states
-per head (two such buffers in backward), never ``(T, M, Dv)`` or ``(T, T)``.
-Every product accumulates in float32. float32 inputs multiply in full float32 unless
-``torch.set_float32_matmul_precision("high")`` allows TF32, as for ``torch.matmul``.
-
-The kernels call Triton builtins only (``tl.full``, not the ``@triton.jit`` helper
-``tl.zeros``): then ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, for tests) takes
-effect whenever it is set before this module is imported, even after ``import triton``.
-"""
+"""Chunkwise causal linear attention as fused Triton kernels (forward and backward)."""
 from __future__ import annotations
 
 import contextlib
@@ -59,10 +22,7 @@ def _state_scan_kernel(a_ptr, b_ptr, init_ptr, states_ptr, final_ptr, T, M, DV, 
                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
                        REVERSE: tl.constexpr, PREC: tl.constexpr):
-    """S ← S + A_cᵀ B_c over the chunks; states[c] = S before chunk c is added.
-
-    a (BH, T, M), b (BH, T, DV), init and final (BH, M, DV), states (BH, NT, M, DV).
-    """
+    """S ← S + A_cᵀ B_c over the chunks; states[c] = S before chunk c is added."""
     i_bh = tl.program_id(0).to(tl.int64)
     offs_k = tl.program_id(1) * BK + tl.arange(0, BK)            # (BK,) rows of the state
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)            # (BV,) columns of the state
@@ -222,12 +182,7 @@ class _Config:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision for float32 operands, following PyTorch's matmul setting.
-
-    float32 inputs multiply in full float32 (``"ieee"``, as ``torch.matmul`` does by
-    default) unless ``torch.set_float32_matmul_precision("high")`` allows TF32; half
-    inputs are converted to float32 and are exact in TF32 (10-bit mantissa), so they use it.
-    """
+    """``tl.dot`` input precision for float32 operands, following PyTorch's matmul setting."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "ieee"
     return "tf32"
@@ -267,10 +222,7 @@ def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor],
 
 
 class _ChunkLinearAttention(torch.autograd.Function):
-    """Autograd wrapper: Triton kernels forward and backward (inputs already contiguous).
-
-    Backward is not itself differentiable (no double backward).
-    """
+    """Autograd wrapper: Triton kernels forward and backward (inputs already contiguous)."""
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, v, S0, chunk_size, out_dtype=None):
@@ -316,10 +268,6 @@ def chunk_linear_attention_triton(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: O
                                   chunk_size: int, *, out_dtype: Optional[torch.dtype] = None
                                   ) -> tuple[Tensor, Tensor]:
     """Causal linear attention on features, chunk by chunk, as fused Triton kernels.
-
-    Computes exactly what :func:`linattn.ops.linear.chunk_linear_attention` computes (see the
-    module docstring for the algorithm), and is differentiable with respect to ``phi_q``,
-    ``phi_k``, ``v`` and ``S0`` (backward also runs Triton kernels).
 
     Parameters
     ----------

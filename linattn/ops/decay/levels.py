@@ -1,40 +1,4 @@
-"""Per-channel decay inside a chunk, range by range: products of gates and the decayed scores.
-
-With log-gates ``g`` of a chunk of ``Cp`` tokens (a power of two, :func:`padded_chunk`) and
-gates ``α_r = exp(g_r) <= 1``, every decay factor is the product of the gates over its own
-range, never a quotient ``exp(b_t) / exp(b_s)`` of cumulative decays (whose exponents are
-positive and overflow: a chunk form that writes ``e^{b_t} · e^{−b_s}`` overflows for per-token
-decays of ``e^-3`` at ``C = 64``):
-
-- ``from_start[t] = Π_{r<=t} α_r``, ``to_end[s] = Π_{r>s} α_r``, ``total = Π_r α_r``;
-- the scores ``A[t, s] = Σ_d x_td y_sd Π_{s<r<=t} α_rd`` (``s <= t``) by halving the chunk:
-  at the level of blocks of ``2w`` tokens the keys ``s`` of a block's earlier half meet the
-  queries ``t`` of its later half (first token ``h``), and the range ``s < r <= t`` splits at
-  ``h`` into ``Π_{h<=r<=t} α_r`` (``later``, from the later half's start) and ``Π_{s<r<h} α_r``
-  (``earlier``, to the earlier half's end). Those ``w × w`` scores are one matmul,
-  ``(x ⊙ later) (y ⊙ earlier)ᵀ``, batched over the level's blocks; every score below the
-  diagonal lies in exactly one such block, and the diagonal is ``x_t · y_t``: ``log2(Cp)``
-  levels of matmuls, ``~Cp·Dk/2`` multiply-adds per token.
-
-Each level's products come from the previous level's by multiplying by the product over the
-adjacent half-block, a disjoint range (:class:`LevelProducts`): every factor is a product of
-numbers ``<= 1`` (a decay strong enough to underflow gives 0, never ``inf`` or NaN), a factor
-over an empty range is the constant 1, and the gradient of a log-gate, the sum over the
-factors whose range holds it of ``d factor ⊙ factor``, is a sum of terms that each carry their
-own decay, with no cancellation of large terms (a difference of cumulative sums makes the
-gradient of a gate of ``1e-12`` rounding noise in float32). This is the "segsum" of Mamba-2
-(Dao & Gu, 2024) organised like the secondary chunking of GLA (Yang, Wang, Shen, Panda & Kim,
-2024, arXiv:2312.06635), applied at every scale.
-
-For chunks of mild total decay the scores are also one matmul of the queries and keys rescaled
-by the cumulative decays (:func:`prefix_factors`, see below); each group of chunks takes one
-form or the other (:func:`mild_groups`).
-
-GLA's chunk form (:class:`_GLAChunk`) has a hand-written backward pass; under ``torch.func``
-transforms, ``torch.compile`` and forward-mode AD, and for second derivatives, autograd
-differentiates the same equations op by op (:func:`decay_factors`, :func:`scores_by_cat`,
-:func:`gla_chunk_ops`).
-"""
+"""Per-channel decay inside a chunk, range by range: products of gates and the decayed scores."""
 from __future__ import annotations
 
 import torch
@@ -45,11 +9,7 @@ __all__ = ["padded_chunk", "decay_factors", "LevelProducts", "level_products_bac
 
 
 def padded_chunk(C: int) -> int:
-    """Tokens per chunk of the per-channel gated chunk forms (GLA, gated delta): ``C`` rounded up to a power of two.
-
-    The scores halve each chunk down to single tokens, so a chunk holds a power of two
-    tokens; the padding has ``q = k = v = 0`` and ``log_g = 0`` and changes nothing.
-    """
+    """Tokens per chunk of the per-channel gated chunk forms (GLA, gated delta): ``C`` rounded up to a power of two."""
     return 1 << (C - 1).bit_length()
 
 
@@ -61,12 +21,7 @@ def _halves(x: Tensor, w: int) -> tuple[Tensor, Tensor]:
 
 
 def decay_factors(g: Tensor) -> tuple[Tensor, Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
-    """``(from_start, to_end, total, levels)`` of log-gates ``g`` ``(…, Cp, Dg)``, op by op (differentiable).
-
-    ``from_start``, ``to_end`` ``(…, Cp, Dg)``, ``total`` ``(…, 1, Dg)``; ``levels[i]`` is the pair
-    ``(later, earlier)`` ``(…, Cp / 2^(i+1), 2^i, Dg)`` of blocks of ``2^(i+1)`` tokens (see the
-    module docstring). The same products as :class:`LevelProducts`, built by concatenation.
-    """
+    """``(from_start, to_end, total, levels)`` of log-gates ``g`` ``(…, Cp, Dg)``, op by op (differentiable)."""
     *lead, Cp, Dg = g.shape
     if Cp & (Cp - 1):
         raise ValueError(f"the decayed scores need a power-of-two chunk, got {Cp} tokens")
@@ -105,15 +60,7 @@ def decay_factors(g: Tensor) -> tuple[Tensor, Tensor, Tensor, list[tuple[Tensor,
 
 
 class LevelProducts:
-    """The products of the gates ``exp(g)`` (``g`` ``(…, Cp, Dk)``) built level by level, in place (no autograd).
-
-    Iterating yields ``(w, later, earlier)`` for ``w = 1, 2, …, Cp/2`` (``earlier`` is None, i.e.
-    1, for ``w = 1``); they are views that the next step overwrites, so use them at once. Each
-    level's products come from the previous level's by multiplying by the product over the
-    adjacent half-block (a disjoint range): products from a block's start ``incl`` (inclusive),
-    to its end ``excl`` (exclusive) and over it ``tot``. After the iteration they cover whole
-    chunks: :meth:`ends` gives ``(from_start, to_end, total)``.
-    """
+    """The products of the gates ``exp(g)`` (``g`` ``(…, Cp, Dk)``) built level by level, in place (no autograd)."""
 
     def __init__(self, g: Tensor) -> None:
         *self.lead, self.Cp, self.Dk = g.shape
@@ -138,14 +85,7 @@ class LevelProducts:
 
 
 def level_products_backward(a_from_start: Tensor, b_to_end: Tensor, c_total: Tensor, a_levels, b_levels) -> Tensor:
-    """The gradient of ``g`` from ``d factor ⊙ factor`` of every factor of :class:`LevelProducts`.
-
-    ``a_from_start``, ``b_to_end`` ``(…, Cp, Dk)``, ``c_total`` ``(…, 1, Dk)``; ``a_levels[i]``,
-    ``b_levels[i]`` ``(…, m, w, Dk)`` for ``later`` and ``earlier`` of level ``w = 2^i`` (``b`` None
-    for ``w = 1``). In log space the products are sums; this is the transpose of those additions, from the top
-    level down: a block's total receives the sums of the gradients of the sums it was added to. Every
-    gradient is a sum of terms that each carry their own decay factor (no cancellation).
-    """
+    """The gradient of ``g`` from ``d factor ⊙ factor`` of every factor of :class:`LevelProducts`."""
     *lead, Cp, Dk = a_from_start.shape
     G_incl, G_excl, G_tot = a_from_start, b_to_end, c_total.unsqueeze(-2)            # G_tot: (…, m, 1, Dk)
     w = Cp // 2
@@ -164,11 +104,6 @@ def level_products_backward(a_from_start: Tensor, b_to_end: Tensor, c_total: Ten
 def scores_fast(x: Tensor, y: Tensor, strict: bool, g: Tensor) -> tuple[Tensor, LevelProducts]:
     """``(A, products)``: the scores ``(…, Cp, Cp)`` ``Σ_d x_td y_sd Π_{s<r<=t} α_rd`` for ``s <= t``
     (``s < t`` if ``strict``, 0 above the diagonal) from the log-gates ``g`` ``(…, Cp, Dk)``.
-
-    ``x``, ``y`` ``(…, Cp, Dk)`` finite. Each level's blocks are written into one buffer as its
-    factors are built; the entries above the diagonal are exact zeros, never products with
-    later tokens' values (which could overflow). Also returns the finished
-    :class:`LevelProducts` (for its :meth:`~LevelProducts.ends`).
     """
     *lead, Cp, Dk = x.shape
     A = x.new_zeros(*lead, Cp, Cp)
@@ -185,12 +120,7 @@ def scores_fast(x: Tensor, y: Tensor, strict: bool, g: Tensor) -> tuple[Tensor, 
 
 
 def scores_fast_backward(dA: Tensor, x: Tensor, y: Tensor, strict: bool, g: Tensor):
-    """``(dx, dy, a_levels, b_levels, products)`` of :func:`scores_fast` (see :func:`level_products_backward`).
-
-    Per level, from the block ``dB`` of ``dA``: ``d(x ⊙ later) = dB (y ⊙ earlier)`` and
-    ``d(y ⊙ earlier) = dBᵀ (x ⊙ later)``; then ``d later ⊙ later = d(x ⊙ later) ⊙ (x ⊙ later)``
-    (likewise ``earlier``). Only the lower blocks and the diagonal of ``dA`` are read.
-    """
+    """``(dx, dy, a_levels, b_levels, products)`` of :func:`scores_fast` (see :func:`level_products_backward`)."""
     if strict:
         dx, dy = torch.zeros_like(x), torch.zeros_like(y)
     else:

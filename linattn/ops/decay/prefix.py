@@ -1,9 +1,4 @@
-"""Mild decays: the decay factors of a chunk from its cumulative log-gates, one matmul per score block.
-
-Where a chunk's total decay is mild (:func:`mild_groups`), ``(x ⊙ e^{b})(y ⊙ e^{−b})ᵀ`` gives the
-decayed scores in one matmul (the chunkwise form of Yang et al., 2024, arXiv:2312.06635, before its
-secondary chunking); stronger decays take the range-by-range products of :mod:`.levels`.
-"""
+"""Mild decays: the decay factors of a chunk from its cumulative log-gates, one matmul per score block."""
 from __future__ import annotations
 
 import math
@@ -38,13 +33,6 @@ def mild_groups(parts: list[slice], g: Tensor, x: Tensor, y: Tensor) -> list[boo
     ``−Σ g >= −MILD_DECAY`` in every channel, every log-gate ``>= −MILD_GATE``, and ``Dk · max|x|
     · max|y| · e^{MILD_DECAY}`` far below the dtype's largest number, so no score overflows;
     a gradient overflows only where the true one is within ``e^{MILD_DECAY}`` of overflowing).
-
-    The choice is per group of chunks (:func:`groups`), so the last bits of a chunk's results
-    can depend on the other chunks of its group.
-
-    ``g`` ``(n, C, 1 or Dk)``, ``x``, ``y`` ``(n, C, Dk)``; one host synchronisation. Non-finite
-    entries of ``x`` and ``y`` do not count: the choice stays that of the finite inputs, so the
-    outputs before a NaN are bit for bit those without it (:func:`linattn.ops._common.run`).
     """
     depth = g.sum(1).amin(-1).neg()                                         # (n,): −(Σ_r g_r), worst channel
     strongest = g.reshape(g.shape[0], -1).amin(1).neg()                      # (n,): the largest −g_r
@@ -55,10 +43,7 @@ def mild_groups(parts: list[slice], g: Tensor, x: Tensor, y: Tensor) -> list[boo
 
 
 def _finite_max(x: Tensor) -> Tensor:
-    """``max |x|`` over the finite entries of each chunk of ``x`` ``(n, C, D)``: ``(n,)``.
-
-    Two reductions without a temporary; only a chunk with a non-finite entry takes a second pass.
-    """
+    """``max |x|`` over the finite entries of each chunk of ``x`` ``(n, C, D)``: ``(n,)``."""
     flat = x.reshape(x.shape[0], -1)
     m = torch.maximum(flat.amax(1), flat.amin(1).neg())                  # (aminmax is 20x slower on the CPU)
     bad = ~torch.isfinite(m)
@@ -68,23 +53,14 @@ def _finite_max(x: Tensor) -> Tensor:
 
 
 def prefix_factors(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(from_start, inverse, to_end, total)`` of chunks of log-gates ``g`` ``(n, C, Dg)`` with mild decay (no autograd).
-
-    With ``b_t = Σ_{r<=t} g_r``: ``e^{b_t}``, ``e^{−b_t}``, ``e^{b_C − b_t}`` ``(n, C, Dg)`` and
-    ``e^{b_C}`` ``(n, 1, Dg)``; the decay between tokens is ``from_start[t] · inverse[s]``.
-    Only for the groups :func:`mild_groups` allows.
-    """
+    """``(from_start, inverse, to_end, total)`` of chunks of log-gates ``g`` ``(n, C, Dg)`` with mild decay (no autograd)."""
     b = g.cumsum(1)
     last = b[:, -1:]
     return b.exp(), b.neg().exp(), (last - b).exp_(), last.exp()
 
 
 def prefix_factors_backward(a_from_start: Tensor, b_inverse: Tensor, b_to_end: Tensor, c_total: Tensor) -> Tensor:
-    """The gradient of ``g`` from ``d factor ⊙ factor`` of :func:`prefix_factors`' outputs (same shapes).
-
-    ``∂/∂b_t`` is ``a_t − b_inverse_t − b_to_end_t``, and ``b_C`` also receives ``Σ_t b_to_end_t +
-    c_total``; ``g_r`` gets the sum of ``∂/∂b_t`` over ``t >= r`` (a reversed cumulative sum).
-    """
+    """The gradient of ``g`` from ``d factor ⊙ factor`` of :func:`prefix_factors`' outputs (same shapes)."""
     db = a_from_start - b_inverse - b_to_end
     db[:, -1:] += b_to_end.sum(1, keepdim=True) + c_total
     return db.flip(1).cumsum(1).flip(1)

@@ -8,15 +8,7 @@ __all__ = ["scalar_decay", "scalar_decay_backward"]
 
 
 def scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One gate per head: the decay factors of chunks of log-gates ``g`` ``(…, C, 1)``, every exponent a range sum.
-
-    Returns ``D`` ``(…, C, C)`` with ``D[t, s] = exp(Σ_{s<r<=t} g_r)`` for ``s <= t`` and 0 above the
-    diagonal, ``from_start`` and ``to_end`` ``(…, C, 1)`` (``exp(Σ_{r<=t})`` and ``exp(Σ_{s<r})``) and
-    the chunk's total decay ``(…, 1, 1)``. The range sums are Mamba-2's "segsum" (Dao & Gu, 2024):
-    column ``s`` holds ``g_r`` for ``r > s`` only and is accumulated down the rows, so each
-    ``Σ_{s<r<=t}`` is summed from its own terms (never a difference of two prefix sums), ``C²``
-    additions per chunk. Differentiable op by op; :func:`scalar_decay_backward` is its gradient.
-    """
+    """One gate per head: the decay factors of chunks of log-gates ``g`` ``(…, C, 1)``, every exponent a range sum."""
     C = g.shape[-2]
     r = torch.arange(C, device=g.device)
     later = r.view(C, 1) > r.view(1, C)                                 # [r, s]: r > s
@@ -29,13 +21,7 @@ def scalar_decay(g: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def scalar_decay_backward(e_D: Tensor, a_from_start: Tensor, b_to_end: Tensor, c_total: Tensor) -> Tensor:
-    """The gradient of ``g`` from ``d factor ⊙ factor`` of :func:`scalar_decay`'s outputs (no autograd).
-
-    ``e_D`` ``(…, C, C)`` (only the entries below the diagonal are read: ``D``'s diagonal is the
-    constant 1), ``a_from_start``, ``b_to_end`` ``(…, C, 1)``, ``c_total`` ``(…, 1, 1)``. A factor
-    ``exp(Σ_range g)`` passes ``d factor ⊙ factor`` to every ``g_r`` of its range, so ``D[t, s]``'s
-    go to ``s < r <= t``: a suffix sum down the rows, then the sum over ``s < r`` of each row.
-    """
+    """The gradient of ``g`` from ``d factor ⊙ factor`` of :func:`scalar_decay`'s outputs (no autograd)."""
     C = e_D.shape[-1]
     e = e_D.tril(-1)
     down = e.flip(-2).cumsum(-2).flip(-2).tril_(-1)                      # [r, s] = Σ_{t>=r} e[t, s], s < r

@@ -8,10 +8,7 @@ __all__ = ["chunk_delta_rule"]
 
 
 def chunk_delta_rule(q, k, v, beta, S0, chunk_size):
-    """Chunkwise delta rule through the WY / UT representation (see :func:`delta_rule`).
-
-    Padded tokens have ``k = v = q = 0`` and ``β = 0``: they leave the state unchanged.
-    """
+    """Chunkwise delta rule through the WY / UT representation (see :func:`delta_rule`)."""
     S0 = zeros_state(k, v, S0)
     B, H, T, Dk = k.shape
     C, N = num_chunks(T, chunk_size)

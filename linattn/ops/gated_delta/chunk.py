@@ -14,11 +14,7 @@ __all__ = ["chunk_gated_delta_rule"]
 
 
 def chunk_gated_delta_rule(q, k, v, log_g, beta, S0, chunk_size):
-    """Chunkwise gated delta rule through the WY / UT representation (see :func:`linattn.gated_delta_rule`).
-
-    ``log_g`` ``(B, H, T)`` (one gate per head) or ``(B, H, T, Dk)`` (one per key channel). Padded
-    tokens have ``k = v = q = 0``, ``β = 0`` and ``log_g = 0``: they leave the state unchanged.
-    """
+    """Chunkwise gated delta rule through the WY / UT representation (see :func:`linattn.gated_delta_rule`)."""
     B, H, T, Dk = k.shape
     per_channel = log_g.dim() == 4
     log_g = (log_g if per_channel else log_g.unsqueeze(-1)).clamp(min=LOG_G_FLOOR)   # see LOG_G_FLOOR

@@ -9,10 +9,7 @@ __all__ = ["recurrent_gated_delta_rule"]
 
 
 def recurrent_gated_delta_rule(q, k, v, log_g, beta, S0):
-    """Token by token: decay ``S`` by ``α_t`` (per head or per key channel), then the delta step.
-
-    ``log_g`` ``(B, H, T)`` (one gate per head) or ``(B, H, T, Dk)`` (one per key channel).
-    """
+    """Token by token: decay ``S`` by ``α_t`` (per head or per key channel), then the delta step."""
     log_g = log_g if log_g.dim() == 4 else log_g.unsqueeze(-1)
     S = zeros_state(k, v, S0)
     outs = []

@@ -1,10 +1,4 @@
-"""Gated linear attention (GLA): a data-dependent decay for every key dimension and token.
-
-``S_t = diag(g_t) S_{t-1} + φ(k_t) v_tᵀ``, ``o_t = S_tᵀ φ(q_t)`` (Yang, Wang, Shen, Panda & Kim,
-2024, arXiv:2312.06635). The recurrent form is the oracle; the chunk form halves each chunk
-into blocks whose decays are products of gates (never a quotient of cumulative decays), or,
-for chunks of mild decay, folds the cumulative decays into the queries and keys.
-"""
+"""Gated linear attention (GLA): a data-dependent decay for every key dimension and token."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -39,35 +33,6 @@ def gated_linear_attention(
     without the output gate and normalisation of the full layer::
 
         S_t = diag(g_t) S_{t-1} + φ(k_t) v_tᵀ,      o_t = S_tᵀ φ(q_t),      g_t = exp(log_g_t)
-
-    equivalently ``o_t = Σ_{s<=t} Σ_d φ(q_t)_d φ(k_s)_d exp(b_{t,d} − b_{s,d}) v_s`` with
-    ``b_t = Σ_{r<=t} log_g_r``. The gate is passed in log space (in the paper
-    ``g_t = sigmoid(·)^{1/τ}``, i.e. ``log_g = logsigmoid(·)/τ``), so that strong decays stay
-    exact: ``log_g = -27.6`` (``g = 1e-12``) is fine. ``log_g = 0`` everywhere gives
-    unnormalised causal linear attention.
-
-    The chunk form (``method="chunk"``) works on chunks of ``C`` tokens rounded up to a power
-    of two (the padding changes nothing). Inside a chunk the decay between key ``s`` and query
-    ``t`` is the product of the gates ``g_r`` for ``s < r <= t``; the chunk is halved down to
-    single tokens, and the queries of each block's later half meet the keys of its earlier half
-    in one matmul, ``(q ⊙ Π_{h<=r<=t} g_r)(k ⊙ Π_{s<r<h} g_r)ᵀ`` with ``h`` the later half's
-    first token (:mod:`linattn.ops._decay`). Every factor is a product of gates ``<= 1`` over
-    its own range, never a quotient of cumulative decays, so a strong decay underflows to 0
-    instead of overflowing, and the gradient of a strongly decaying gate keeps its relative
-    accuracy. A chunk whose decay is mild (``Σ log_g >= −16`` in every channel, every ``log_g >=
-    −1``, and inputs far from overflow) takes one matmul instead, ``(q ⊙ e^{b})(k ⊙ e^{−b})ᵀ``
-    with ``b`` the cumulative log-gate from the chunk's start (GLA's chunkwise form before its
-    secondary chunking): its factors lie in ``[e^{-16}, e^{16}]``, and its rounding is float32's
-    (measured at the bound: at most 6e-7 of the largest output or gradient; the gradient of one
-    gate of ``e^{-1}`` among slow ones loses about a factor 20 of relative accuracy, see
-    :data:`linattn.ops._decay.MILD_GATE`). The backward pass is written by hand; it stores the scores (``C`` numbers per
-    token), the decays from and to the chunk's ends and the chunk start states
-    (``B·H·(T/C)·Dk·Dv``) and recomputes each level's products. For second derivatives
-    (``create_graph=True``), ``torch.func`` transforms, forward-mode AD and ``torch.compile``,
-    autograd differentiates the same equations op by op. With ``LINATTN_CPU_KERNEL=1`` on the CPU
-    (float32/float64), ``method="chunk"`` runs the recurrence as a compiled loop instead
-    (:func:`linattn.kernels.cpu.decay_cpu`; see :func:`retention`): in the run described in
-    :func:`linattn.delta_rule`, forward+backward took 28.1 ms where the chunk form took 47.7 ms.
 
     Parameters
     ----------

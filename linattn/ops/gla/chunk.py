@@ -16,11 +16,7 @@ __all__ = ["chunk_gated_linear_attention", "gla_chunk", "gla_chunk_ops"]
 
 
 def gla_chunk_ops(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S0: Tensor) -> tuple[Tensor, Tensor]:
-    """GLA's chunk form op by op (differentiable by autograd): ``(out (B, H, N, Cp, Dv), S_final)``.
-
-    ``q, k, g`` ``(B, H, N, Cp, Dk)``, ``v`` ``(…, Cp, Dv)``, ``S0`` ``(B, H, Dk, Dv)``. Per chunk:
-    ``O = A V + (Q ⊙ from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``.
-    """
+    """GLA's chunk form op by op (differentiable by autograd): ``(out (B, H, N, Cp, Dv), S_final)``."""
     from_start, to_end, total, levels = decay_factors(g)
     A = scores_by_cat(q, k, False, levels)
     U = (k * to_end).transpose(-1, -2) @ v                                    # (B, H, N, Dk, Dv)
@@ -32,14 +28,7 @@ def gla_chunk_ops(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S0: Tensor) -> tup
 
 
 class _GLAChunk(torch.autograd.Function):
-    """GLA's chunk form (:func:`gla_chunk_ops`) with a hand-written backward.
-
-    Saved: the inputs, the scores ``A`` (``Cp`` numbers per token) and the chunk start states;
-    the decay factors are recomputed (element-wise, see the fast path above). It runs on
-    ``(B·H·N, Cp, ·)`` views; only the passage of the state (forward) and of its gradient
-    (backward) is a loop over chunks. A backward pass that must itself be differentiable
-    (``create_graph=True``) differentiates :func:`gla_chunk_ops` instead.
-    """
+    """GLA's chunk form (:func:`gla_chunk_ops`) with a hand-written backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, S0):
@@ -137,12 +126,7 @@ def gla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S0: Tensor) -> tuple[T
 
 
 def chunk_gated_linear_attention(q, k, v, log_g, S0, chunk_size):
-    """Chunkwise GLA (see :func:`gated_linear_attention` and :mod:`linattn.ops._decay`).
-
-    Each chunk is zero-padded to ``Cp``, a power of two: padded tokens have ``k = v = q = 0``
-    and ``log_g = 0`` (no decay), so they change nothing. Per chunk: ``O = A V + (Q ⊙
-    from_start) S``, ``S' = diag(total) S + (K ⊙ to_end)ᵀ V``, with ``A`` the decayed causal scores.
-    """
+    """Chunkwise GLA (see :func:`gated_linear_attention` and :mod:`linattn.ops.decay`)."""
     B, H, T, Dk = k.shape
     log_g = log_g.clamp(min=LOG_G_FLOOR)                               # see LOG_G_FLOOR
     C, N = num_chunks(T, chunk_size)

@@ -1,9 +1,4 @@
-"""Plain (normalised) causal and non-causal linear attention: its algorithms side by side.
-
-The public op is :func:`linattn.linear_attention` (:mod:`linattn.attention`); here are its
-forms on features: :mod:`.naive` (parallel, quadratic, recurrent and the chunk loop, the
-oracles) and :mod:`.chunk` (:func:`chunkwise_linear_attention`, what ``method="chunk"`` runs).
-"""
+"""Plain (normalised) causal and non-causal linear attention: its algorithms side by side."""
 from ..._deprecated import moved as _moved
 from .chunk import chunkwise_linear_attention
 from .naive import (naive_chunk_linear_attention, parallel_linear_attention, quadratic_linear_attention,

@@ -1,14 +1,4 @@
-"""The chunkwise form of causal linear attention, organised for speed: :func:`chunkwise_linear_attention`.
-
-Split the sequence into chunks of ``C`` tokens; inside a chunk, attention is the small masked
-quadratic form, across chunks a query reads the state ``S`` of every earlier chunk (Hua et al.,
-2022, sec. 3.3; Yang et al., 2024, sec. 2.2)::
-
-    Y_c = φ(Q_c) S_{c-1} + tril(φ(Q_c) φ(K_c)ᵀ) V_c,     S_c = S_{c-1} + φ(K_c)ᵀ V_c
-
-All chunks of all heads go through a few batched matmuls; the backward is written by hand.
-Its readable twin and test oracle is :func:`linattn.ops.linear.naive.naive_chunk_linear_attention`.
-"""
+"""The chunkwise form of causal linear attention, organised for speed: :func:`chunkwise_linear_attention`."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,18 +21,7 @@ def _chunk_buffer(like: Tensor, BH: int, N: int, *rest: int) -> Tensor:
 
 def _exclusive_prefix_(buf: Tensor, BH: int, N: int, init: Optional[Tensor],
                        final_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """In place: per-chunk contributions -> the state before each chunk (the forward scan).
-
-    ``buf[1:]`` holds the contribution of each chunk, head-major ((BH * N, *rest)); ``init``
-    (BH, *rest) is the state before the first chunk, or None for zeros. The scan runs over
-    the chunks in place, so that ``buf[:BH * N]`` becomes the state *before* each chunk (an
-    exclusive prefix, read at an offset of one slot). Returns that view and the state after
-    the last chunk, reshaped to ``final_shape`` (a tensor of its own).
-
-    The scan is a Python loop over chunks rather than ``cumsum_``: on the CPU a cumsum
-    along a dimension whose stride is a power of two (here ``M*Dv`` floats) runs several
-    times slower than ``N`` in-place additions of one chunk state each.
-    """
+    """In place: per-chunk contributions -> the state before each chunk (the forward scan)."""
     x = buf[1:].view(BH, N, *buf.shape[1:])                      # (BH, N, *rest)
     if init is not None:
         x[:, 0] += init
@@ -58,12 +37,7 @@ def _exclusive_prefix_(buf: Tensor, BH: int, N: int, init: Optional[Tensor],
 
 
 def _exclusive_suffix_(buf: Tensor, BH: int, N: int, init: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """In place: per-chunk contributions -> ``init + Σ`` over the later chunks (the backward scan).
-
-    ``buf[:BH * N]`` holds the contribution of each chunk; afterwards ``buf[1:]`` holds, for
-    each chunk, ``init`` plus the sum over the chunks after it. Also returns ``init`` plus
-    the sum over all chunks, (BH, *rest).
-    """
+    """In place: per-chunk contributions -> ``init + Σ`` over the later chunks (the backward scan)."""
     x = buf[: BH * N].view(BH, N, *buf.shape[1:])                # (BH, N, *rest)
     if init is not None:
         x[:, N - 1] += init
@@ -92,22 +66,7 @@ def _unfold(x: Optional[Tensor], V: int) -> Optional[Tensor]:
 
 
 class _ChunkwiseLinearAttention(torch.autograd.Function):
-    """Chunkwise causal linear attention with a hand-written backward.
-
-    Besides the output and the final state, the forward returns (as outputs that carry no
-    gradient) what the backward reuses: the output again (padded to whole chunks), the
-    normaliser and where it was used as computed, the masked intra-chunk scores
-    ``(B·H·T·C)`` and the states before each chunk ``(B·H·(T/C)·M·(Dv + 1))``. Storing them
-    costs two input-sized tensors and saves the backward two of its ten batched matmuls
-    (measured: about 1.2x faster backward on CPU). Everything else, including the reverse
-    scan, is computed in the backward, which is itself the autograd.Function
-    :class:`_ChunkwiseLinearAttentionBackward` so that ``torch.func`` transforms compose.
-
-    ``torch.func``: forward and backward each have a ``vmap`` rule (the vmapped dimension is
-    folded into the batch); the forward mode (``jvp``, in the subclass
-    :class:`_ChunkwiseLinearAttentionWithJvp`) is derived from the trilinear form with the
-    reference loop :func:`~linattn.ops.linear.naive.naive_chunk_linear_attention`; second derivatives are refused.
-    """
+    """Chunkwise causal linear attention with a hand-written backward."""
 
     @staticmethod
     def forward(phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
@@ -179,12 +138,7 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
 
 
 class _ChunkwiseLinearAttentionWithJvp(_ChunkwiseLinearAttention):
-    """:class:`_ChunkwiseLinearAttention` with a forward-mode rule, for ``torch.func`` transforms.
-
-    A separate class because ``torch.compile`` cannot trace an autograd.Function that defines
-    ``jvp`` when gradients are needed; :func:`_chunkwise_function` picks this one only while a
-    ``torch.func`` transform is active.
-    """
+    """:class:`_ChunkwiseLinearAttention` with a forward-mode rule, for ``torch.func`` transforms."""
 
     @staticmethod
     def jvp(ctx, t_q, t_k, t_v, t_S0, t_z0, *unused):
@@ -236,18 +190,7 @@ def _augmented_state(S: Optional[Tensor], z: Optional[Tensor], phi_q: Tensor, v:
 
 
 class _ChunkwiseLinearAttentionBackward(torch.autograd.Function):
-    """The backward pass of :class:`_ChunkwiseLinearAttention`, as a Function of its own.
-
-    Its own backward raises (no double backward); it exists so that a ``vmap`` over the
-    backward (``torch.func.jacrev``, per-sample gradients) folds the vmapped dimension into
-    the batch like the forward does. With ``C`` the chunk length (``y = o / d`` when
-    normalised)::
-
-        dL/do = g / d,   dL/dd = -(g · y) / d (zero where eps replaced d)
-        dS_c = Σ_{c' > c} φ(Q_c')ᵀ dO_c' (+ dS_final)          reverse scan over chunks
-        dφ(Q_c) = tril(dO_c V_cᵀ + dd_c 1ᵀ) φ(K_c) + dO_c S_{c-1}ᵀ + dd_c z_{c-1}ᵀ
-        dφ(K_c) = tril(…)ᵀ φ(Q_c) + V_c dS_cᵀ + 1 dz_cᵀ,   dV_c = tril(φ(Q_c)φ(K_c)ᵀ)ᵀ dO_c + φ(K_c) dS_c
-    """
+    """The backward pass of :class:`_ChunkwiseLinearAttention`, as a Function of its own."""
 
     @staticmethod
     def forward(g_out, g_S, g_z, phi_q, phi_k, v, y_all, den, den_ok, scores, S_before, z_before,
@@ -355,28 +298,6 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
                                z0: Optional[Tensor] = None, *, normalize: bool = True, eps: float = 1e-6,
                                chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
     """Fast chunkwise causal linear attention on features (what ``method="chunk"`` runs).
-
-    Same mathematics as :func:`~linattn.ops.linear.naive.naive_chunk_linear_attention`, organised for speed and memory:
-    all chunks of all heads go through a handful of batched matmuls; the exclusive prefix
-    over chunk states is a scan of in-place additions, one chunk at a time (on the CPU a
-    ``cumsum_`` along that strided dimension was measured several times slower); the
-    normaliser takes its own cheap matrix-vector path (no column of ones appended to
-    ``v``); the backward is written by hand (a ``torch.autograd.Function``): it keeps the
-    masked intra-chunk scores and the chunk states from the forward pass (two input-sized
-    tensors, which saves the backward two of its ten batched matmuls) and runs a reverse
-    scan over chunks for the gradients of the keys and values. Nothing of size
-    ``(B, H, T, M, Dv)`` or ``(B, H, T, T)`` is ever formed: the largest intermediates are
-    ``(B, H, T, C)`` scores and ``(B, H, T/C, M, Dv)`` chunk states. Double backward is not
-    supported (it raises); ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``,
-    ``jacrev``, ``jacfwd``) work.
-
-    Causality with non-finite values: in ``tril(φ(Q_c)φ(K_c)ᵀ) V_c`` a NaN or infinity in a
-    later value of the chunk would reach every earlier row (``0 · NaN = NaN``). A non-finite
-    value anywhere makes the final state non-finite, so that is checked (one tiny reduction);
-    only then is the computation repeated on sanitised inputs, and the outputs and states that
-    depend on a non-finite input are set to NaN (:class:`linattn._numerics.CausalPoison`): the
-    positions before it get bit for bit the outputs of finite inputs. Under ``torch.compile``
-    (which cannot branch on the check) the sanitised computation always runs.
 
     Parameters
     ----------

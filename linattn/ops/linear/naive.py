@@ -1,10 +1,4 @@
-"""The readable forms of linear attention on features, the test oracles of the fast paths.
-
-:func:`parallel_linear_attention` (non-causal ``φ(Q)(φ(K)ᵀV)``), :func:`quadratic_linear_attention`
-(the masked ``T×T`` form) and :func:`recurrent_linear_attention` (the token loop, Katharopoulos et
-al., 2020, eqs. 18-20) carry the normaliser as an extra value column of ones;
-:func:`naive_chunk_linear_attention` is the chunkwise form as a loop over chunks.
-"""
+"""The readable forms of linear attention on features, the test oracles of the fast paths."""
 from __future__ import annotations
 
 from typing import Optional
@@ -55,11 +49,7 @@ def naive_chunk_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Op
 
 
 def step_features(phi_q: Tensor, phi_k: Tensor, v_aug: Tensor, S_aug: Tensor) -> tuple[Tensor, Tensor]:
-    """One recurrence step on features: ``S_t = S_{t-1} + φ(k_t)[v_t, 1]ᵀ``, output ``φ(q_t)ᵀS_t``.
-
-    phi_q, phi_k (B, H, M); v_aug (B, H, Dv + 1); S_aug (B, H, M, Dv + 1).
-    Returns the augmented output (B, H, Dv + 1) and the new state.
-    """
+    """One recurrence step on features: ``S_t = S_{t-1} + φ(k_t)[v_t, 1]ᵀ``, output ``φ(q_t)ᵀS_t``."""
     S_aug = S_aug + phi_k.unsqueeze(-1) * v_aug.unsqueeze(-2)     # (B, H, M, Dv + 1)
     out_aug = (phi_q.unsqueeze(-2) @ S_aug).squeeze(-2)          # (B, H, Dv + 1)
     return out_aug, S_aug

@@ -9,17 +9,7 @@ __all__ = ["chunk_retention"]
 
 
 def chunk_retention(q, k, v, gamma, S0, chunk_size):
-    """Chunkwise retention; gamma (H,) in (0, 1].
-
-    Per chunk with ``n`` real tokens (``n = C`` except maybe the last) and ``t, s`` counted
-    from 0 inside it: intra ``D_ts = γ^(t−s)`` for ``s <= t``; a query reads the state with
-    ``γ^(t+1)``; a key enters the next state with ``γ^(n−1−s)``; the state decays by ``γ^n``.
-    Every factor is ``γ`` to a non-negative integer power, computed by ``torch.pow``, whose
-    gradient ``m γ^(m−1)`` is formed directly: no ``exp`` of a positive number, and no
-    ``(1/γ)`` factor that would overflow (``1/γ`` is ``inf`` in float32 for a subnormal
-    ``γ = 1e-45``) or amplify the rounding of ``γ^m`` (as the chain rule through ``log γ``
-    would: ``∂γ^m/∂γ = m γ^m · (1/γ)``).
-    """
+    """Chunkwise retention; gamma (H,) in (0, 1]."""
     B, H, T, Dk = k.shape
     C, N = num_chunks(T, chunk_size)
     qc, kc, vc = (to_chunks(x, N, C) for x in (q, k, v))               # (B, H, N, C, ·)

@@ -1,39 +1,4 @@
-"""The WY / UT chunk form shared by the delta rule and the gated delta rule.
-
-Both families share one chunk form, the WY / UT representation of Yang, Wang, Zhang, Shen &
-Kim (2024, arXiv:2406.06484, sec. 3; with the gates of Yang, Kautz & Hatamizadeh, 2025,
-arXiv:2412.06464, sec. 3), written here as an autograd Function with a hand-written backward
-(chapter 5's store-versus-recompute reasoning applied to it). Per chunk of ``C`` tokens with
-start state ``S`` (all chunks at once, except the scan over chunk states)::
-
-    Pqk = tril(Q Kᵀ) ⊙ D,   Akk = tril(K Kᵀ, −1) ⊙ D,   M = I + diag(β) Akk      (unit lower)
-    [W, Ũ] = M⁻¹ diag(β) [K ⊙ from_start, V]                                    (triangular solve)
-    U = Ũ − W S                        (the pseudo-values: what each token writes)
-    O = (Q ⊙ from_start) S + Pqk U,    S' = total · S + (K ⊙ to_end)ᵀ U
-
-``D[t, s] = exp(Σ_{s<r<=t} log α_r)`` is the decay between two tokens of the chunk,
-``from_start``, ``to_end`` and ``total`` the decays from the chunk's start, to its end and over
-it; without gates (the delta rule) all are 1 and are skipped. In chunks of mild total decay
-(:func:`linattn.ops._decay.mild_groups`) ``Pqk`` and ``Akk`` are instead the products
-``(Q ⊙ from_start)(K ⊙ e^{−b})ᵀ`` and ``(K ⊙ from_start)(K ⊙ e^{−b})ᵀ``, and no ``C × C``
-decay matrix is formed; the gradient of the log-gates then flows through the cumulative
-sum ``b`` (:func:`linattn.ops._decay.prefix_factors_backward`). With one gate per key channel
-(Kimi Delta Attention) the decay sits inside the sum over channels, ``Pqk[t, s] = Σ_d q_td k_sd
-Π_{s<r<=t} α_rd``, and the scores come from :mod:`linattn.ops._decay`'s halving; ``total`` is
-then one factor per key channel. Only the ``T/C`` matmuls of the scan are sequential: ``W S``
-and ``(K ⊙ to_end)ᵀ U`` forward, ``(K ⊙ to_end) dS'`` and ``Wᵀ dU`` backward. The log-gates are
-the input and the whole backward pass, the gradient of the log-gates included, is written here;
-everything inside chunks runs on groups of chunks whose temporaries stay in the CPU's cache.
-
-Saved for the backward pass (per chunk): the inputs, ``Q Kᵀ`` and ``K Kᵀ`` (the decayed scores
-in chunks of mild decay and per key channel; ``C²`` each), the decay factors, ``M⁻¹``, ``W``,
-``U`` and the chunk start states (``Dk·Dv``): the matmuls of the forward pass are not repeated
-(``Ũ`` is not needed: ``dM = −dR_v Uᵀ``, :func:`_solve_backward`). A backward pass that must
-itself be differentiable (``create_graph=True``) recomputes the forward op by op from the inputs
-and lets autograd differentiate it; ``torch.func``
-transforms, ``torch.compile`` and forward-mode AD use that op-by-op form from the start
-(:func:`wy_chunk` picks).
-"""
+"""The WY / UT chunk form shared by the delta rule and the gated delta rule."""
 from __future__ import annotations
 
 import torch
@@ -52,7 +17,7 @@ __all__ = ["wy_chunk", "wy_chunk_channel"]
 
 def _prefix_scores(q, k, fs, inv, P, A):
     """One group of mild chunks: writes ``P = tril((Q ⊙ fs)(K ⊙ inv)ᵀ)`` and ``A = tril((K ⊙ fs)(K ⊙ inv)ᵀ, −1)``
-    (:func:`linattn.ops._decay.prefix_factors`) into ``P`` and ``A``; returns ``K ⊙ fs``."""
+    (:func:`linattn.ops.decay.prefix_factors`) into ``P`` and ``A``; returns ``K ⊙ fs``."""
     kf, kh = k * fs, k * inv
     torch.bmm(q * fs, kh.transpose(1, 2), out=P).tril_()
     torch.bmm(kf, kh.transpose(1, 2), out=A).tril_(-1)
@@ -62,9 +27,7 @@ def _prefix_scores(q, k, fs, inv, P, A):
 def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, dq, dk):
     """One group of mild chunks with one gate per key channel: writes ``dq`` and ``dk`` and returns ``dg``
     when ``P = (Q ⊙ fs)(K ⊙ inv)ᵀ`` and ``A = (K ⊙ fs)(K ⊙ inv)ᵀ`` (masked;
-    :func:`linattn.ops._decay.prefix_factors`), from :func:`_solve_backward`'s outputs.
-
-    ``dP``, ``dA`` are masked already; ``dqf``, ``dkf`` and ``dke`` are overwritten.
+    :func:`linattn.ops.decay.prefix_factors`), from :func:`_solve_backward`'s outputs.
     """
     qf, kh = q * fs, k * inv
     dqf.baddbmm_(dP, kh)                                                   # all of d (q ⊙ fs)
@@ -77,14 +40,7 @@ def _prefix_backward(dP, dA, dqf, dkf, dke, c_tot, q, k, kf, ke, fs, inv, te, dq
 
 
 def _prefix_backward_head(dP, dA, dqf, dkf, dke, c_tot, q, k, P, A, fs, inv, te, ke, dq, dk):
-    """One group of mild chunks with one gate per head: writes ``dq`` and ``dk``, returns ``dg``.
-
-    As :func:`_prefix_backward`, but a per-head decay ``fs_t · inv_s`` is one number per pair of
-    tokens, so ``P = (Q Kᵀ) ⊙ F`` and ``A = (K Kᵀ) ⊙ F`` with ``F = fs invᵀ`` (masked), and ``K Kᵀ``
-    is symmetric: ``dK`` takes ``(dA ⊙ F + (dA ⊙ F)ᵀ) K`` (one matmul where the rescaled form takes
-    two). The gates' share: ``d fs ⊙ fs`` sums ``dP ⊙ P + dA ⊙ A`` along rows, ``d inv ⊙ inv``
-    along columns. ``P``, ``A`` are the saved decayed scores; ``dP``, ``dA`` (masked) are overwritten.
-    """
+    """One group of mild chunks with one gate per head: writes ``dq`` and ``dk``, returns ``dg``."""
     F = fs * inv.transpose(1, 2)                                               # [t, s] = e^{b_t − b_s}
     E = (dP * P).add_(dA * A)                                                  # d F ⊙ F, masked
     dPF, dAF = dP.mul_(F), dA.mul_(F)
@@ -98,13 +54,7 @@ def _prefix_backward_head(dP, dA, dqf, dkf, dke, c_tot, q, k, P, A, fs, inv, te,
 
 
 class _WYChunk(torch.autograd.Function):
-    """The WY chunk form with one gate per head (log-gates ``g``) or none, and a hand-written backward.
-
-    The work inside chunks runs on groups of chunks (:func:`linattn.ops._decay.groups`) whose
-    temporaries stay in the CPU's cache; kept are ``Q Kᵀ``, ``K Kᵀ`` (decayed in groups of mild
-    decay), the decay factors, ``M⁻¹``, ``W``, ``U`` and the chunk start states. Between the groups, the scan over chunks
-    (``B·H`` at a time).
-    """
+    """The WY chunk form with one gate per head (log-gates ``g``) or none, and a hand-written backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, S0, g):
@@ -218,13 +168,7 @@ class _WYChunk(torch.autograd.Function):
 
 
 class _WYChannelChunk(torch.autograd.Function):
-    """The WY chunk form with one gate per key channel and a hand-written backward.
-
-    The scores ``P`` and ``A`` are built and differentiated by :mod:`linattn.ops._decay`'s fast
-    path, or in groups of mild decay as two matmuls of rescaled queries and keys, on groups of
-    chunks as in :class:`_WYChunk`; saved: the inputs, the scores, the decays from and to the
-    chunk's ends (and ``e^{−b}`` for mild groups), ``M⁻¹``, ``W``, ``U`` and the chunk start states.
-    """
+    """The WY chunk form with one gate per key channel and a hand-written backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, S0, g):
@@ -304,29 +248,17 @@ class _WYChannelChunk(torch.autograd.Function):
 
 
 def _use_op_by_op(inputs) -> bool:
-    """The op-by-op form: only where autograd must see every operation.
-
-    Without a gradient to compute (``torch.no_grad``, inference) the Functions run too: their
-    forward pass is the fast one (blocked inverse, groups in cache, the prefix form), and
-    nothing is kept once the call returns.
-    """
+    """The op-by-op form: only where autograd must see every operation."""
     return autograd_must_see_every_op(*inputs)
 
 
 def wy_chunk(q, k, v, beta, S0, g=None) -> tuple[Tensor, Tensor]:
-    """``(out (B, H, N, C, Dv), S_final)`` of the WY chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none.
-
-    Through :class:`_WYChunk`, with or without gradients, except under ``torch.func`` transforms,
-    ``torch.compile`` and forward-mode AD, where autograd differentiates the same equations op by op.
-    """
+    """``(out (B, H, N, C, Dv), S_final)`` of the WY chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none."""
     inputs = (q, k, v, beta, S0, g)
     return wy_chunk_ops(*inputs) if _use_op_by_op(inputs) else _WYChunk.apply(*inputs)
 
 
 def wy_chunk_channel(q, k, v, beta, S0, g) -> tuple[Tensor, Tensor]:
-    """``(out, S_final)`` of the WY chunk form with per-channel log-gates ``g`` ``(B, H, N, C, Dk)`` (``C`` a power of two).
-
-    Through :class:`_WYChannelChunk`, or op by op (:func:`~.naive.wy_chunk_channel_ops`) as in :func:`wy_chunk`.
-    """
+    """``(out, S_final)`` of the WY chunk form with per-channel log-gates ``g`` ``(B, H, N, C, Dk)`` (``C`` a power of two)."""
     inputs = (q, k, v, beta, S0, g)
     return wy_chunk_channel_ops(*inputs) if _use_op_by_op(inputs) else _WYChannelChunk.apply(*inputs)

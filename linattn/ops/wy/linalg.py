@@ -10,9 +10,6 @@ __all__ = ["unit_lower_inverse", "solve", "solve_backward"]
 def unit_lower_inverse(M: Tensor) -> Tensor:
     """``M⁻¹`` of unit lower-triangular ``M`` ``(n, C, C)``, by blocks: ``[[A, 0], [B, D]]⁻¹ =
     [[A⁻¹, 0], [−D⁻¹ B A⁻¹, D⁻¹]]`` down to blocks of 16, solved directly.
-
-    On the CPU this is several times faster than ``solve_triangular`` with ``C`` right-hand
-    sides, and lets the solve with both ``[K, V]`` and, backward, with ``Mᵀ`` be plain matmuls.
     """
     C = M.shape[-1]
     if C <= 16:
@@ -38,12 +35,6 @@ def solve(A, kf, v, b):
 def solve_backward(dO, U, S_before, dS_after, dU, Minv, A, kf, v, b, dv):
     """One group of chunks: ``(dP, dqf, dke, dA, dkf, d_beta)`` from the scan's ``dU`` and ``dS_after``; the
     gradient of ``v`` is written into ``dv``.
-
-    ``out = Q̃ S_n + P U`` gives ``dP`` (lower) and ``dqf``; ``S' = total S + K̂ᵀ U`` gives ``dke``;
-    ``U = Ũ − W S`` and ``[W, Ũ] = M⁻¹ R`` give ``dR = M⁻ᵀ [−dU Sᵀ, dU] = [−dR_v Sᵀ, dR_v]`` and
-    ``dM = −dR [W, Ũ]ᵀ = −dR_v (Ũ − W S)ᵀ = −dR_v Uᵀ`` (strictly lower): four matmuls of the
-    chunk's size where the literal order takes six. ``M = I + diag(β) A`` and ``R = diag(β) [kf, v]``
-    give the rest.
     """
     dP = torch.bmm(dO, U.transpose(1, 2)).tril_()
     dqf = torch.bmm(dO, S_before.transpose(1, 2))

@@ -9,12 +9,7 @@ __all__ = ["solve_and_scan", "wy_chunk_ops", "wy_chunk_channel_ops"]
 
 
 def solve_and_scan(P, A, qf, kf, ke, v, beta, S0, total):
-    """The chunk form from its decayed scores, op by op (differentiable by autograd): ``(out, S_final)``.
-
-    ``P``, ``A`` ``(B, H, N, C, C)`` (``A`` strictly lower), ``qf = Q ⊙ from_start``, ``kf = K ⊙
-    from_start``, ``ke = K ⊙ to_end`` ``(…, C, Dk)``, ``v`` ``(…, C, Dv)``, ``beta`` ``(…, C, 1)``,
-    ``S0`` ``(B, H, Dk, Dv)``, ``total`` ``(B, H, N, 1 or Dk, 1)`` or None (no gates).
-    """
+    """The chunk form from its decayed scores, op by op (differentiable by autograd): ``(out, S_final)``."""
     M = beta * A + torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)   # I + diag(β) A (A's diagonal is 0)
     X = torch.linalg.solve_triangular(M, torch.cat([beta * kf, beta * v], dim=-1), upper=False, unitriangular=True)
     Dk = kf.shape[-1]
@@ -31,10 +26,7 @@ def solve_and_scan(P, A, qf, kf, ke, v, beta, S0, total):
 
 
 def wy_chunk_ops(q, k, v, beta, S0, g=None):
-    """The chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none, op by op.
-
-    ``q, k`` ``(B, H, N, C, Dk)``, ``v`` ``(…, C, Dv)``, ``beta`` ``(…, C, 1)``, ``S0`` ``(B, H, Dk, Dv)``.
-    """
+    """The chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none, op by op."""
     kt = k.transpose(-1, -2)
     QK = (q @ kt).tril()                                # tril first: an overflowing later score times 0 is NaN
     KK = (k @ kt).tril(-1)

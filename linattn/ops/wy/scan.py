@@ -8,15 +8,7 @@ __all__ = ["scan_chunks", "scan_chunks_backward", "rows", "set_rows"]
 
 
 def scan_chunks(W, Ut, ke, tot, S0, BH, N):
-    """The pass over chunks: ``U_n = Ũ_n − W_n S``, ``S <- total_n S + K̂_nᵀ U_n``; ``(U, S_before, S_final)``.
-
-    ``W``, ``ke`` ``(B·H·N, C, Dk)`` and ``tot`` (None or ``(B·H·N, 1 or Dk, 1)``) head-major (chunk
-    ``n`` of head ``h`` at row ``h·N + n``); ``Ut`` ``(N, B·H, C, Dv)`` chunk-major, a buffer of the
-    caller's that ``U`` is written over; ``S_before`` ``(N, B·H, Dk, Dv)`` comes out chunk-major too.
-    So every product of the scan writes one contiguous block: on the CPU a batched product into
-    a strided output runs its batch one matrix at a time. :func:`rows` and :func:`set_rows`
-    read and write the chunk-major tensors by groups of chunks.
-    """
+    """The pass over chunks: ``U_n = Ũ_n − W_n S``, ``S <- total_n S + K̂_nᵀ U_n``; ``(U, S_before, S_final)``."""
     BHN, C, Dk = W.shape
     Dv = Ut.shape[-1]
     W4, keT4 = W.view(BH, N, C, Dk).unbind(1), ke.view(BH, N, C, Dk).transpose(-1, -2).unbind(1)
@@ -36,12 +28,7 @@ def scan_chunks(W, Ut, ke, tot, S0, BH, N):
 
 
 def scan_chunks_backward(PdO, QdO, W, ke, tot, dS, BH, N):
-    """The reverse pass: ``dU_n = Pᵀ dO + K̂ dS_{n+1}``, ``dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n``; ``(dU, dS_after, dS0)``.
-
-    ``PdO`` ``(N, B·H, C, Dv)`` chunk-major (a buffer of the caller's, overwritten by ``dU``), the
-    others head-major as in :func:`scan_chunks`; ``dS_after`` ``(N, B·H, Dk, Dv)`` (the gradient of the
-    state after each chunk) comes out chunk-major.
-    """
+    """The reverse pass: ``dU_n = Pᵀ dO + K̂ dS_{n+1}``, ``dS_n = total dS_{n+1} + Q̃ᵀ dO − Wᵀ dU_n``; ``(dU, dS_after, dS0)``."""
     BHN, C, Dk = W.shape
     Dv = PdO.shape[-1]
     Q4 = QdO.view(BH, N, Dk, Dv).unbind(1)
