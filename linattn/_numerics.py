@@ -73,7 +73,7 @@ def divide_by_normaliser(out_aug: Tensor, normalize: bool, eps: float) -> Tensor
     num, den = out_aug[..., :-1], out_aug[..., -1:]
     if not normalize:
         return num
-    return num / safe_normaliser(den, eps)
+    return num / guarded_normaliser(den, eps)[0]
 
 
 class CausalPoison:
