@@ -1,6 +1,6 @@
 """chapters/_ext/local_mathjax.py without a browser: which MathJax a build uses, and the copy.
 
-tests/test_site.py checks the real book in Chromium (published: CDN; offline: the copy); these
+tests/book/test_site.py checks the real book in Chromium (published: CDN; offline: the copy); these
 checks need neither Chromium nor the real MathJax, only Sphinx and a stand-in MathJax folder.
 """
 from __future__ import annotations

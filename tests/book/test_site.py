@@ -352,7 +352,7 @@ def crawl_site(sync_playwright, html_dir: pathlib.Path, server: str, artifacts: 
         assert (html_dir / script).is_file(), f"the pages load {script}, which is not in the build"
     elif script is not None:
         m = re.match(r"(https://[^/]+/npm/mathjax@(\d+)[^/]*/)(.*)$", script)
-        assert m, f"unexpected MathJax address {script}; teach tests/test_site.py where it maps locally"
+        assert m, f"unexpected MathJax address {script}; teach tests/book/test_site.py where it maps locally"
         mathjax_prefix, cdn_major, script_rel = m.group(1), m.group(2), m.group(3)
         local_version = json.loads((MATHJAX_DIR / "package.json").read_text())["version"]
         assert local_version.split(".")[0] == cdn_major, (
@@ -629,7 +629,7 @@ def _toc_pages() -> list[str]:
 def test_every_figure_has_alt_text_and_a_caption(crawl, page):
     """Every <img> has an alt text that describes it (not its file name); every figure of the
     page's content sits in a <figure> with a caption (myst-nb's mystnb.figure / mystnb.image
-    cell metadata, see tests/test_book.py)."""
+    cell metadata, see tests/book/test_book.py)."""
     assert page in crawl["results"], f"{page} is in _toc.yml but not a page of the build"
     problems = _figure_text_problems(page, crawl["results"][page])
     assert not problems, "\n".join(problems)
