@@ -85,25 +85,10 @@ def baseline_chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_si
 
     Parameters
     ----------
-    q, k : Tensor
-        ``(B, H, T, D)`` queries and keys.
-    v : Tensor
-        ``(B, H, T, Dv)`` values, same dtype and device.
+    q, k, v, eps
+        As in :func:`cumsum_linear_attention`, which also gives the result and the errors.
     chunk_size : int
         Tokens per chunk ``C >= 1``.
-    eps : float
-        Positive lower bound on the normaliser.
-
-    Returns
-    -------
-    Tensor
-        ``(B, H, T, Dv)`` in the dtype of ``q``; computed in float32 for half and bfloat16
-        inputs (float64 for float64), as :func:`linattn.linear_attention` does.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Bad inputs, as for :func:`linattn.linear_attention` with ``causal=True``.
     """
     _checks.check_qkv(q, k, v, causal=True, causal_only="baseline_chunk_linear_attention")
     _checks.check_chunk_size(chunk_size)

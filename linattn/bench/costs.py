@@ -67,24 +67,15 @@ def predict_memory(method: str, seq_len: int, *, batch: int, heads: int, head_di
 
     Parameters
     ----------
-    method : str
-        One of :data:`METHODS`.
-    seq_len, batch, heads, head_dim : int
-        ``T``, ``B``, ``H`` and ``D = Dv``.
+    method, seq_len, batch, heads, head_dim, chunk_size
+        As in :func:`forward_flops`, which also names the errors.
     dtype : torch.dtype
         Input dtype.
-    chunk_size : int
-        ``C`` of the chunkwise forms.
 
     Returns
     -------
     int
         Bytes.
-
-    Raises
-    ------
-    ValueError
-        If ``method`` is unknown.
     """
     _check_method(method)
     D, C = head_dim, chunk_size

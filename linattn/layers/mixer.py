@@ -83,10 +83,8 @@ class LinearMixer(GroupedHeads, nn.Module):
 
     Parameters
     ----------
-    d_model : int
-        Width of the input and output, divisible by ``n_heads``; ``head_dim = d_model // n_heads``.
-    n_heads : int
-        Query heads ``H``.
+    d_model, n_heads : int
+        As in :class:`linattn.LinearAttention`.
     rule : str
         One of :data:`RULES`.
     n_kv_heads : int, optional
@@ -181,11 +179,8 @@ class LinearMixer(GroupedHeads, nn.Module):
 
         Parameters
         ----------
-        x : Tensor
-            ``(B, T, d_model)``, in the parameters' dtype and on their device.
-        attention_mask : Tensor, optional
-            ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+        x, attention_mask : Tensor
+            As in :meth:`linattn.LinearAttention.forward`.
             Padded tokens are removed: the real tokens' outputs and the returned state are
             those of the sequence without them (their own outputs are meaningless).
         state : MixerState, optional

@@ -64,11 +64,8 @@ class SoftmaxAttention(MultiHeadProjections):
 
         Parameters
         ----------
-        x : Tensor
-            ``(B, T, d_model)``, in the parameters' dtype and on their device.
-        attention_mask : Tensor, optional
-            ``(B, T)`` bool or 0/1 integers, True (1) for real tokens (Hugging Face's
-            convention; PyTorch's ``key_padding_mask`` is the opposite and refused by name).
+        x, attention_mask : Tensor
+            As in :meth:`linattn.LinearAttention.forward`.
             Padded keys get zero weight, and a query that sees no real key (left padding)
             outputs zeros.
         state : KVCache, optional
