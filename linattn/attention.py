@@ -362,15 +362,14 @@ def linear_attention_step(
     """
     if not _checks.step_inputs_ok(q, k, v):             # one cheap test; the full checks say what is wrong
         _check_step_inputs(q, k, v)
-    normalize = _checks.check_bool(normalize, "normalize")
-    acc = _checks.accumulation_dtype(q.dtype)
-    eps = _checks.check_eps(eps, acc)
-    phi = resolve_feature_map(feature_map)
-    if _checks.position_dependent(phi):
-        raise ValueError(
-            f"linear_attention_step cannot apply the position-dependent feature_map {type(phi).__name__}: "
-            "it sees one token without its position; compute the features yourself, e.g. "
-            "phi(x[:, :, None], offset=t)[:, :, 0], and pass feature_map=None")
+    plain = type(feature_map) is str and type(normalize) is bool and type(eps) is float
+    key = (feature_map, normalize, eps, q.dtype)
+    options = _STEP_OPTIONS.get(key) if plain else None
+    if options is None:                                  # checked once per set of plain options, then remembered
+        options = _step_options(feature_map, normalize, eps, q.dtype)
+        if plain and len(_STEP_OPTIONS) < 64:
+            _STEP_OPTIONS[key] = options
+    phi, normalize, eps, acc = options
     with no_autocast(q.device):
         q32, k32, v32 = (x if x.dtype == acc else x.to(acc) for x in (q, k, v))
         phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
@@ -389,6 +388,23 @@ def linear_attention_step(
             den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
             out = out / safe_normaliser(den, eps)
     return out.to(q.dtype), LinearAttentionState._unchecked(S.contiguous(), z.contiguous())
+
+
+_STEP_OPTIONS: dict = {}
+
+
+def _step_options(feature_map, normalize, eps, dtype) -> tuple:
+    """:func:`linear_attention_step`'s options checked: ``(phi, normalize, eps, accumulation dtype)``."""
+    normalize = _checks.check_bool(normalize, "normalize")
+    acc = _checks.accumulation_dtype(dtype)
+    eps = _checks.check_eps(eps, acc)
+    phi = resolve_feature_map(feature_map)
+    if _checks.position_dependent(phi):
+        raise ValueError(
+            f"linear_attention_step cannot apply the position-dependent feature_map {type(phi).__name__}: "
+            "it sees one token without its position; compute the features yourself, e.g. "
+            "phi(x[:, :, None], offset=t)[:, :, 0], and pass feature_map=None")
+    return phi, normalize, eps, acc
 
 
 def _check_step_inputs(q, k, v) -> None:

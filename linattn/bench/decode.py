@@ -64,11 +64,23 @@ def _pairs(batch: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int)
     }
 
 
-def _time(fn, calls: int) -> float:
-    start = time.perf_counter()
+def _clock():
+    """CPU time of the calling thread with one torch thread (time preempted by other processes on a shared
+    machine is not counted), else wall time."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _round(fn, bare, calls: int) -> tuple[float, float]:
+    """Seconds per call of ``fn`` and of ``bare`` over one round, the two calls alternating (so that
+    both see the same state of the machine)."""
+    spent, spent_bare, clock = 0.0, 0.0, _clock()
     for _ in range(calls):
+        t0 = clock()
         fn()
-    return (time.perf_counter() - start) / calls
+        t1 = clock()
+        bare()
+        spent, spent_bare = spent + (t1 - t0), spent_bare + (clock() - t1)
+    return spent / calls, spent_bare / calls
 
 
 def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
@@ -85,9 +97,11 @@ def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, 
                 fn(), bare()
             times, bare_times = [], []
             for _ in range(repeats):
-                times.append(_time(fn, calls[name]))
-                bare_times.append(_time(bare, calls[name]))
+                t, t_bare = _round(fn, bare, calls[name])
+                times.append(t)
+                bare_times.append(t_bare)
             rows.append({"subject": name, "batch": batch, "heads": heads, "head_dim": head_dim,
+                         "clock": "thread CPU time" if _clock() is time.thread_time else "wall time",
                          "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                          "times": times, "bare_times": bare_times, "median_s": sorted(times)[len(times) // 2],
                          "bare_median_s": sorted(bare_times)[len(bare_times) // 2],
@@ -99,7 +113,7 @@ def format_decode_table(rows: Sequence[dict]) -> str:
     """The rows of :func:`run_decode_benchmark` as a table: µs per call and the ratio's median [min, max]."""
     first = rows[0]
     lines = [f"decode step, B={first['batch']} H={first['heads']} D={first['head_dim']} {first['dtype']}, no grad, "
-             f"{first['threads']} thread(s), {len(first['times'])} rounds",
+             f"{first['threads']} thread(s), {len(first['times'])} rounds, {first.get('clock', 'wall time')}",
              f"{'':<23}{'step (µs)':>11}{'bare (µs)':>11}   step / bare: median [min, max]"]
     for r in rows:
         ratio = r["ratio"]
