@@ -24,7 +24,7 @@ LINEAR_METHODS = ("cumsum", "baseline_chunk", "compiled_baseline", "chunk", "chu
 DEFAULT_CHUNK_SIZE = 64
 
 
-def _features(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _elu_features(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """elu+1 features of q and k, and v, in the accumulation dtype (float32 for half inputs)."""
     acc = _checks.accumulation_dtype(q.dtype)
     return elu_plus_one(q.to(acc)), elu_plus_one(k.to(acc)), v.to(acc)   # (B, H, T, M), (B, H, T, Dv)
@@ -55,7 +55,7 @@ def cumsum_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, eps: float = 1e-
     """
     _checks.check_qkv(q, k, v, causal=True, causal_only="cumsum_linear_attention")
     _checks.check_eps(eps)
-    phi_q, phi_k, v = _features(q, k, v)
+    phi_q, phi_k, v = _elu_features(q, k, v)
     S = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)      # (B, H, T, M, Dv)
     z = torch.cumsum(phi_k, dim=2)                                      # (B, H, T, M)
     num = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                         # (B, H, T, Dv)
@@ -93,7 +93,7 @@ def baseline_chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_si
     _checks.check_qkv(q, k, v, causal=True, causal_only="baseline_chunk_linear_attention")
     _checks.check_chunk_size(chunk_size)
     _checks.check_eps(eps)
-    phi_q, phi_k, v = _features(q, k, v)
+    phi_q, phi_k, v = _elu_features(q, k, v)
     B, H, T, M = phi_k.shape
     Dv, C = v.shape[-1], chunk_size
     pad = -T % C
@@ -116,7 +116,7 @@ def _fused_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int,
     """elu+1 features, then :func:`linattn.kernels.chunk_linear_attention_triton` with a ones column."""
     from ..kernels import chunk_linear_attention_triton
 
-    phi_q, phi_k, v = _features(q, k, v)
+    phi_q, phi_k, v = _elu_features(q, k, v)
     v_aug = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)        # (B, H, T, Dv + 1)
     if q.dtype in (torch.float16, torch.bfloat16):                      # half in, float32 sums out
         out_aug, _ = chunk_linear_attention_triton(phi_q.to(q.dtype), phi_k.to(q.dtype), v_aug.to(q.dtype), None,
