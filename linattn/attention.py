@@ -370,27 +370,36 @@ def linear_attention_step(
         if plain and len(_STEP_OPTIONS) < 64:
             _STEP_OPTIONS[key] = options
     phi, normalize, eps, acc = options
-    with no_autocast(q.device):
-        q32, k32, v32 = (x if x.dtype == acc else x.to(acc) for x in (q, k, v))
-        phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)  # (B, H, M)
-        B, H, M = phi_k.shape
-        Dv = v.shape[-1]
-        if state is not None and not state._matches(B, H, M, Dv, acc, q.device):
-            state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
-        if state is None:
-            S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                  # (B, H, M, Dv)
-            z = phi_k.clone(memory_format=torch.contiguous_format)       # (B, H, M), never the caller's k
-        else:
-            S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
-            z = state.z + phi_k
-        out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                      # (B, H, Dv)
-        if normalize:
-            den = (phi_q * z).sum(-1, keepdim=True)                      # (B, H, 1)
-            out = out / safe_normaliser(den, eps)
-    return out.to(q.dtype), LinearAttentionState._unchecked(S.contiguous(), z.contiguous())
+    if q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compiling():
+        out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)      # nothing to switch off
+    else:
+        with no_autocast(q.device):
+            out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), LinearAttentionState._unchecked(S, z)
 
 
 _STEP_OPTIONS: dict = {}
+
+
+def _step(q, k, v, state, phi, normalize, eps, acc):
+    """The arithmetic of :func:`linear_attention_step` on checked inputs: ``(out, S, z)`` in ``acc``."""
+    q32, k32, v32 = (q if q.dtype == acc else q.to(acc)), (k if k.dtype == acc else k.to(acc)), v.to(acc)
+    phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)              # (B, H, M)
+    B, H, M = phi_k.shape
+    Dv = v.shape[-1]
+    if state is not None and not state._matches(B, H, M, Dv, acc, q.device):
+        state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+    if state is None:
+        S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                      # (B, H, M, Dv)
+        z = phi_k.clone(memory_format=torch.contiguous_format)           # (B, H, M), never the caller's k
+    else:
+        S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
+        z = state.z + phi_k
+    out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                          # (B, H, Dv)
+    if normalize:
+        den = (phi_q * z).sum(-1, keepdim=True)                          # (B, H, 1)
+        out = out / safe_normaliser(den, eps)
+    return out, S.contiguous(), z.contiguous()
 
 
 def _step_options(feature_map, normalize, eps, dtype) -> tuple:
