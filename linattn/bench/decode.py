@@ -18,13 +18,15 @@ SUBJECTS = ("linear_attention_step", "LinearMixer")
 
 
 def bare_linear_attention_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One step of normalised causal linear attention with elu+1 features, no checks: ``(out, S, z)``."""
-    phi_q = q.clamp(max=0.0).exp_().add_(q.clamp(min=0.0))                # elu(q) + 1, without cancellation
-    phi_k = k.clamp(max=0.0).exp_().add_(k.clamp(min=0.0))
-    S = torch.addcmul(S, phi_k.unsqueeze(-1), v.unsqueeze(-2))           # (B, H, D, Dv)
-    z = z + phi_k                                                         # (B, H, D)
-    out = (phi_q.unsqueeze(-2) @ S).squeeze(-2) / (phi_q * z).sum(-1, keepdim=True)
-    return out, S, z
+    """One step of normalised causal linear attention with elu+1 features as chapter 4 writes it by hand
+    (``F.elu(x) + 1``, ``S + φ(k)vᵀ``), no checks: ``(out, S, z)``.
+
+    ``q``, ``k`` ``(B, H, D)``, ``v`` ``(B, H, Dv)``, ``S`` ``(B, H, D, Dv)``, ``z`` ``(B, H, D)``.
+    """
+    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1                             # (B, H, D)
+    S = S + phi_k[..., :, None] * v[..., None, :]                         # (B, H, D, Dv)
+    z = z + phi_k
+    return (phi_q[..., None, :] @ S)[..., 0, :] / (phi_q * z).sum(-1, keepdim=True), S, z
 
 
 def bare_mixer_step(m: LinearMixer, x: Tensor, S: Tensor, conv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
