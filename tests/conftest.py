@@ -54,3 +54,18 @@ def pytest_collection_modifyitems(config, items):
         marks = ("book", "slow") if item.path.suffix == ".ipynb" else _FILE_MARKS.get(item.path.name, ())
         for mark in marks:
             item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """``force(why_not)``: decide with ``why_not(tensors, chunk_size) -> None or a reason`` where the
+    Triton backend runs (a rehearsal in Triton's CPU interpreter has no CUDA tensors), with no kernel
+    failure remembered from an earlier test."""
+    from linattn import backends
+
+    monkeypatch.setattr(backends, "_triton_failure", [])
+
+    def force(why_not):
+        monkeypatch.setattr(backends, "_why_not_triton", why_not)
+
+    return force

@@ -1,4 +1,7 @@
 """linattn.backends: the default order from the environment, use_backends, last_backend, and the errors."""
+import sys
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,3 +95,45 @@ def test_a_pinned_backend_that_cannot_run_the_call_raises_saying_why():
             backends.select("retention", q, k, v)
     with backends.use_backends("triton", "torch"):
         assert backends.select("linear_attention", q.float(), k, v, chunk_size=64) == "torch"
+
+
+@pytest.mark.triton
+def test_fused_kernel_failure_falls_back_to_the_pytorch_path(monkeypatch, triton_backend):
+    # On CUDA the Triton kernel runs automatically; it has not been exercised on every GPU, so a
+    # kernel that fails to compile or launch must not take linear_attention down with it.
+    # Triton is optional: this test must run without it, so it is made unimportable here and the
+    # broken kernel is put straight into the module's namespace (monkeypatch.setattr would read
+    # the old value first, and kernels.__getattr__ resolves that name by importing Triton).
+    from linattn import backends, kernels
+
+    calls = []
+
+    def broken_kernel(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("out of shared memory (simulated)")
+
+    monkeypatch.setitem(sys.modules, "triton", None)   # `import triton` raises ImportError
+    monkeypatch.setitem(vars(kernels), "chunk_linear_attention_triton", broken_kernel)
+    triton_backend(lambda tensors, chunk_size: backends._triton_failure[0] if backends._triton_failure else None)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(0)) for _ in range(3))
+    ref = linattn.linear_attention(q, k, v, causal=True, method="quadratic")
+    with pytest.warns(RuntimeWarning, match="fused Triton kernel failed"):
+        out = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
+    assert len(calls) == 1, "the fused kernel was not tried"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert backends._triton_failure  # remembered: no second attempt, no second warning
+    assert backends.last_backend() == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
+    assert len(calls) == 1, "the failed kernel was tried again"
+    torch.testing.assert_close(again, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.triton
+def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):
+    from linattn import backends
+
+    monkeypatch.setenv("LINATTN_DISABLE_TRITON", "1")
+    assert "triton" not in backends.default_backends()
+    assert backends.select("linear_attention", torch.zeros(1, 1, 4, 4), chunk_size=16) == "torch"

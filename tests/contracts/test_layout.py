@@ -111,6 +111,28 @@ def test_no_private_name_is_imported_across_folders_of_the_package():
     assert bad == []
 
 
+def _private_uses(source: str) -> list:
+    """``(module, private attribute, line)`` read through a name bound to a linattn module: ``m._x`` and
+    ``monkeypatch.setattr(m, "_x", ...)``."""
+    tree = ast.parse(source)
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update({a.asname: a.name for a in node.names if a.asname and a.name in MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("linattn"):
+            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                          if f"{node.module}.{a.name}" in MODULES})
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            uses.append((bound[node.value.id], node.attr, node.lineno))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "setattr" and len(node.args) >= 2
+              and isinstance(node.args[0], ast.Name) and node.args[0].id in bound
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            uses.append((bound[node.args[0].id], node.args[1].value, node.lineno))
+    return [(m, a, line) for m, a, line in uses if a.startswith("_") and not a.startswith("__")]
+
+
 def test_a_test_reaches_a_private_helper_only_in_its_own_subject_folder():
     bad = []
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
@@ -120,7 +142,12 @@ def test_a_test_reaches_a_private_helper_only_in_its_own_subject_folder():
         def allowed(owner, subject=subject, contracts="contracts" in sub):
             return not contracts and (owner == subject or owner.startswith(subject + "."))
 
-        bad += _crossings(path.read_text(), f"tests.{path.stem}", False, allowed)
+        source = path.read_text()
+        bad += _crossings(source, f"tests.{path.stem}", False, allowed)
+        for module, attr, line in _private_uses(source):
+            owner = module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+            if not allowed(owner):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {module}.{attr}")
     assert bad == []
 
 

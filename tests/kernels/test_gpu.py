@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 import linattn
-from linattn import backends
 
 REHEARSAL = os.environ.get("LINATTN_GPU_REHEARSAL") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or REHEARSAL),
@@ -24,17 +23,16 @@ T_LONG = 4097 if torch.cuda.is_available() else 130       # ragged: not a multip
 
 
 @pytest.fixture
-def fused(monkeypatch):
+def fused(monkeypatch, triton_backend):
     """linear_attention with the fused kernel (on CUDA as dispatched; in a rehearsal, forced)."""
     pytest.importorskip("triton", reason="Triton is not installed")
     from linattn import kernels
 
     assert kernels.triton_available()
     monkeypatch.delenv("LINATTN_DISABLE_TRITON", raising=False)
-    monkeypatch.setattr(backends, "_triton_failure", [])
     if not torch.cuda.is_available():
         # as on CUDA: float32 features (float64 inputs keep the PyTorch path), power-of-two chunks >= 16
-        monkeypatch.setattr(backends, "_why_not_triton", lambda tensors, chunk_size: None if (
+        triton_backend(lambda tensors, chunk_size: None if (
             tensors[0].dtype == torch.float32 and chunk_size >= 16 and not chunk_size & (chunk_size - 1)) else "no")
     calls = []
     real = kernels.chunk_linear_attention_triton

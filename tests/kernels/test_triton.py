@@ -231,7 +231,7 @@ def test_half_inputs_with_a_float32_output(tk, dtype):
         tk.chunk_linear_attention_triton(*inputs, 16, out_dtype=torch.float64)
 
 
-def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch):
+def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch, triton_backend):
     """The dispatch for float16 inputs: features and values read in float16, the normaliser kept
     in float32 (it passes 65504 here: T = 2048, elu+1 features of D = 16), output rounded once."""
     from linattn import backends
@@ -239,8 +239,7 @@ def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 2048, 16, generator=g).to(_device(), torch.float16) for _ in range(3))
     exact = linattn.linear_attention(q.double(), k.double(), v.double(), causal=True)
-    monkeypatch.setattr(backends, "_why_not_triton", lambda tensors, chunk_size: None)
-    monkeypatch.setattr(backends, "_triton_failure", [])
+    triton_backend(lambda tensors, chunk_size: None)
     calls = []
     real = tk.chunk_linear_attention_triton
 
@@ -251,5 +250,5 @@ def test_linear_attention_half_inputs_through_the_fused_kernel(tk, monkeypatch):
     monkeypatch.setitem(vars(linattn.kernels), "chunk_linear_attention_triton", spy)
     out = linattn.linear_attention(q, k, v, causal=True, chunk_size=64)
     assert calls == [(torch.float16, torch.float32)] and out.dtype == torch.float16
-    assert out.isfinite().all() and not backends._triton_failure
+    assert out.isfinite().all() and backends.last_backend() == "triton"
     _assert_rel(out, exact, 4e-3, "float16 output")          # features and output rounded to float16
