@@ -2,7 +2,7 @@
 # Fetch MathJax 3 (the npm package's es5 folder, licence and package.json) into
 # .ci/cache/mathjax, or into the folder given as the first argument. Needs npm (Node.js).
 # The book's build then loads MathJax from that copy instead of the CDN, so the HTML in
-# _build/html reads offline (chapters/_ext/local_mathjax.py); tests/test_site.py uses it too.
+# _build/html reads offline (chapters/_ext/local_mathjax.py); tests/book/test_site.py uses it too.
 set -euo pipefail
 version=3.2.2   # the pages otherwise load mathjax@3 (the latest 3.x) from the CDN
 dest=${1:-"$(cd "$(dirname "$0")" && pwd)/cache/mathjax"}

@@ -1,25 +1,20 @@
-"""linattn: linear attention, derived step by step and made fast.
-
-Public API (tensor layout ``(batch, heads, seq, dim)``, as in PyTorch's SDPA).
-"""
-from .attention import linear_attention, softmax_attention
+"""linattn: linear attention, derived step by step and made fast."""
+from .attention import linear_attention, linear_attention_step, softmax_attention
 from .feature_maps import elu_plus_one, get_feature_map, relu
 from .feature_maps import (CosFormerFeatures, DPFPFeatures, HedgehogFeatures, PerformerFeatures, TaylorFeatures,
                            distill_feature_map, squared_relu)
-from .recurrent import LinearAttentionState, linear_attention_step
+from .state import DecodingState, KVCache, LinearAttentionState, MixerState
 from .ops.retention import retention
 from .ops.gla import gated_linear_attention
 from .ops.delta import delta_rule
 from .ops.gated_delta import gated_delta_rule
 from .distributed import ring_softmax_attention, sequence_parallel_linear_attention
-from .mixers import LinearMixer, MixerState, ShortConvolution
-from .positions import apply_rope
-from .layers import (DecodingState, KVCache, LinearAttention, LinearMultiheadAttention, SoftmaxAttention,
-                     TransformerBlock, TransformerConfig, TransformerLM)
-from .utils import book_figure, default_device, finish_figure, set_seed, use_book_style
+from .layers import LinearAttention, LinearMixer, LinearMultiheadAttention, ShortConvolution, SoftmaxAttention, apply_rope
+from .models import TransformerBlock, TransformerConfig, TransformerLM
+from .book import book_figure, default_device, finish_figure, set_seed, use_book_style
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "softmax_attention",

@@ -1,8 +1,4 @@
-"""Input validation shared by the attention functions (private).
-
-Every check raises a ``TypeError`` or ``ValueError`` that names the argument and
-says what it got and what it needs; nothing is broadcast silently.
-"""
+"""Input validation shared by the attention functions (private)."""
 from __future__ import annotations
 
 import functools
@@ -28,8 +24,17 @@ def check_tensor(x, name: str, ndim: int, layout: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {shape_str(x.shape)}")
-    if any(s == 0 for s in x.shape):
+    if 0 in x.shape:
         raise ValueError(f"{name} must not have an empty dimension, got shape {shape_str(x.shape)}")
+
+
+def step_inputs_ok(q, k, v) -> bool:
+    """Whether ``q``, ``k`` ``(B, H, D)`` and ``v`` ``(B, H, Dv)`` pass every check of a decoding step:
+    floating tensors of one dtype and device, no empty dimension (one test, no message)."""
+    return (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and q.dim() == 3 and k.dim() == 3 and v.dim() == 3 and q.is_floating_point()
+            and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+            and q.shape == k.shape and q.shape[:2] == v.shape[:2] and 0 not in q.shape and v.shape[2] != 0)
 
 
 def check_layer_input(x, name: str, width: int, width_name: str, weight: Tensor, hint: str = "") -> None:
@@ -65,11 +70,7 @@ def check_same_kind(named: dict[str, Tensor]) -> None:
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_only: Optional[str] = None) -> None:
-    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk.
-
-    ``causal_only``: for a function that has no ``causal`` argument (it is always causal),
-    its name; the error for ``Tq != Tk`` then says so instead of suggesting ``causal=False``.
-    """
+    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk."""
     layout = "(batch, heads, seq, dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name, 4, layout)
@@ -105,6 +106,13 @@ def type_name(x) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+def describe(x) -> str:
+    """A value as an error message names it: a tensor by dtype and shape, anything else by type."""
+    if isinstance(x, Tensor):
+        return f"a {x.dtype} tensor of shape {shape_str(x.shape)}"
+    return type(x).__name__
+
+
 def check_bool(x, name: str) -> bool:
     """``x`` is a Python or NumPy bool; returns it as a Python bool."""
     if isinstance(x, bool):
@@ -115,11 +123,7 @@ def check_bool(x, name: str) -> bool:
 
 
 def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
-    """``x`` is a real number, positive, and representable as a normal number of ``dtype``.
-
-    Written with comparisons only (no ``math.isfinite``), so that it also checks the symbolic
-    floats ``torch.compile(dynamic=True)`` passes in.
-    """
+    """``x`` is a real number, positive, and representable as a normal number of ``dtype``."""
     if isinstance(x, bool) or not isinstance(x, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name} must be a float, got {type_name(x)}")
     if not isinstance(x, (torch.SymFloat, torch.SymInt)):
@@ -144,13 +148,7 @@ def check_attention_mask(mask, k: Tensor) -> Optional[Tensor]:
 
 
 def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "attention_mask") -> Optional[Tensor]:
-    """A ``(batch, seq)`` attention mask as a bool tensor, or None.
-
-    Hugging Face's and flash-linear-attention's convention: True (or 1) marks a real token that
-    may be attended to, False (or 0) padding. Bool tensors and integer tensors holding only 0
-    and 1 are accepted; anything else raises. (PyTorch's ``key_padding_mask`` means the
-    opposite, True = padding: that name is refused, see :func:`reject_key_padding_mask`.)
-    """
+    """A ``(batch, seq)`` attention mask as a bool tensor, or None."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
@@ -170,13 +168,7 @@ def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "atte
 
 
 def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -> None:
-    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``.
-
-    Eagerly this raises a ValueError quoting the first offending entry of ``x`` and its index.
-    Under ``torch.compile`` a Python ``if`` on tensor data would break the graph, so the same
-    check runs inside the graph (``torch._assert_async``) and a bad value raises a
-    RuntimeError with the message ``{name} must be {need}``: compiled code still refuses it.
-    """
+    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``."""
     if torch.compiler.is_compiling():
         torch._assert_async(ok.all(), f"{name} must be {need}")
         return
@@ -194,13 +186,7 @@ def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -
 
 
 def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
-    """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`.
-
-    Eagerly one reduction decides (``aminmax``: a NaN makes both ends NaN, which fails both
-    comparisons); only a failing tensor pays for the elementwise mask that locates the offending
-    entry (``torch.isfinite`` alone is several passes: about 2 ms for 10⁶ float32 entries on
-    one core, against 0.2 ms for ``aminmax``).
-    """
+    """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`."""
     if not torch.compiler.is_compiling():
         with torch.no_grad():
             x = unwrap(log_g)
@@ -212,11 +198,7 @@ def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
 
 
 def reject_key_padding_mask(fn):
-    """Refuse the old keyword ``key_padding_mask`` with an error that explains the rename.
-
-    PyTorch's ``key_padding_mask`` (``nn.MultiheadAttention``) marks padding with True, the
-    opposite of linattn's mask, so accepting it under that name would silently invert it.
-    """
+    """Refuse the old keyword ``key_padding_mask`` with an error that explains the rename."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if "key_padding_mask" in kwargs:
@@ -230,9 +212,17 @@ def reject_key_padding_mask(fn):
     return wrapper
 
 
+_CHECKED_EPS: dict = {}
+
+
 def check_eps(eps, dtype: torch.dtype = torch.float64) -> float:
     """``eps`` is positive and neither underflows nor overflows in ``dtype`` (where it is used)."""
-    return check_positive_float(eps, "eps", dtype)
+    if type(eps) is float and (eps, dtype) in _CHECKED_EPS:
+        return eps
+    eps = check_positive_float(eps, "eps", dtype)
+    if type(eps) is float and len(_CHECKED_EPS) < 64:
+        _CHECKED_EPS[eps, dtype] = True
+    return eps
 
 
 def check_positive_int(x, name: str) -> int:
@@ -270,16 +260,7 @@ def position_dependent(phi) -> bool:
 
 
 def check_position_dependent(phi, *, causal: bool, resumed: bool, same_length: bool, caller: str) -> None:
-    """Refuse the uses of a position-dependent map that would give wrong numbers.
-
-    - ``resumed`` (an initial state): the state does not record how many tokens it has seen,
-      so the new tokens would get the features of positions 0, 1, ... again;
-    - no fixed ``max_len`` (a map with a ``max_len`` attribute that is None, as cosFormer's
-      default): the features then depend on the length of the input, so in a causal call an
-      earlier output would depend on how many tokens follow it, and queries and keys of
-      different lengths would get different scales. (A map without a ``max_len`` attribute is
-      taken to depend on the absolute position only.)
-    """
+    """Refuse the uses of a position-dependent map that would give wrong numbers."""
     if not position_dependent(phi):
         return
     name = type(phi).__name__
@@ -304,7 +285,10 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def apply_feature_map(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """φ(q), φ(k) (or q, k themselves when ``phi`` is None), checked to share M."""
+    """φ(q), φ(k) (or q, k themselves when ``phi`` is None), checked to share M (linattn's elementwise
+    maps, marked ``keeps_shape``, keep shape, dtype and device by construction)."""
+    if getattr(phi, "keeps_shape", False):
+        return phi(q), phi(k)
     phi_q, phi_k = (q, k) if phi is None else (phi(q), phi(k))
     check_features(phi_q, q, "q")
     check_features(phi_k, k, "k")
@@ -316,3 +300,59 @@ def apply_feature_map(phi, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     if phi_q.dtype != q.dtype or phi_k.dtype != k.dtype:
         phi_q, phi_k = phi_q.to(q.dtype), phi_k.to(k.dtype)
     return phi_q, phi_k
+
+
+def check_floating(x: Tensor, name: str) -> None:
+    """``x`` is a floating-point tensor."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_int_at_least(value, name: str, minimum: int) -> int:
+    """A Python or NumPy integer >= ``minimum``, returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_strict_bool(value, name: str) -> None:
+    """``value`` is a Python bool (NumPy's is refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_positive_finite(value, name: str) -> float:
+    """A positive finite Python or NumPy real number, returned as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return float(value)
+
+
+def check_non_negative_int(value, name: str) -> int:
+    """``value`` is a Python or NumPy integer >= 0; returns it as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_count_in_range(value, name: str, minimum: int, maximum: "int | None" = None, why: str = "") -> None:
+    """``value`` is a Python int in ``[minimum, maximum]`` (``why`` says where the maximum comes from)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum} ({why})" if maximum is not None else ""
+        raise ValueError(f"{name} must be >= {minimum}{upper}, got {value}")
+
+
+def check_generator(generator) -> None:
+    """``generator`` is None or a ``torch.Generator``."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -1,23 +1,23 @@
-"""Softmax attention (the reference) and linear attention (one entry point, several algorithms)."""
+"""Softmax attention (the reference), linear attention (one entry point, several algorithms) and its decoding step."""
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import _checks
-from ._numerics import all_finite, compiling, masked_matmul, no_autocast
+from . import _checks, backends
+from ._deprecated import moved
+from ._numerics import all_finite, compiling, divide_by_normaliser, masked_matmul, no_autocast, safe_normaliser
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
-from .recurrent import LinearAttentionState, check_initial_state, finish
+from .state import LinearAttentionState, check_initial_state
 
-__all__ = ["softmax_attention", "linear_attention", "METHODS"]
+__all__ = ["softmax_attention", "linear_attention", "linear_attention_step", "LINEAR_ATTENTION_METHODS",
+           "resolve_linear_attention_method"]
 
-METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
+LINEAR_ATTENTION_METHODS = ("auto", "parallel", "quadratic", "recurrent", "chunk")
 
 
 @_checks.reject_key_padding_mask
@@ -31,10 +31,6 @@ def softmax_attention(
     attention_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Scaled dot-product (softmax) attention, written out with its full T×T matrix.
-
-    ``softmax(q kᵀ · scale) v`` (Vaswani et al., 2017, eq. 1). This is the reference the
-    book compares linear attention against; it materialises the ``(B, H, Tq, Tk)`` weight
-    matrix on purpose. For speed use ``torch.nn.functional.scaled_dot_product_attention``.
 
     Parameters
     ----------
@@ -121,33 +117,6 @@ def linear_attention(
 
         y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)
 
-    where ``j`` runs over the unpadded keys (``j <= i`` when causal). With an
-    ``initial_state`` (S0, z0) every query also sees ``φ(q_i)ᵀS0`` and ``φ(q_i)ᵀz0``, as if
-    the tokens that built the state came first. For a non-negative φ the output is the
-    exact weighted average of the values however small the normaliser is (down to the
-    dtype's underflow): it does not change when φ(q_i), or all φ(k_j), are scaled by a
-    positive number.
-
-    Causality holds whatever the values: with ``causal=True`` a NaN or infinity at position
-    ``t`` (in q, k or v) never changes an output before ``t``, in every method (an output
-    that depends on a non-finite input is NaN or ±inf; which one may differ between methods).
-
-    Methods (all compute the same numbers up to rounding):
-
-    - ``"parallel"``: non-causal only; ``φ(Q)(φ(K)ᵀV)``, cost ``O(T·M·Dv)``.
-    - ``"quadratic"``: the masked ``Tq×Tk`` matrix ``φ(Q)φ(K)ᵀ``, cost ``O(T²·(M + Dv))``.
-    - ``"recurrent"``: causal only; the token loop of :func:`linattn.linear_attention_step`.
-    - ``"chunk"``: causal only; chunkwise-parallel, see :mod:`linattn.ops.linear`. On CUDA,
-      when Triton is installed and ``chunk_size`` is a power of two >= 16, the fused
-      kernel of :mod:`linattn.kernels` runs instead (same numbers, tested against it; for
-      float16/bfloat16 inputs it reads features and values in that dtype, and accumulates,
-      keeps the state and returns in float32);
-      ``LINATTN_DISABLE_TRITON=1`` turns it off, and if it fails to compile or launch the
-      PyTorch path takes over with a ``RuntimeWarning``. On the CPU, ``LINATTN_CPU_KERNEL=1``
-      selects the compiled CPU path of :mod:`linattn.kernels.cpu` for float32/float64 (built on
-      first use where a C++ compiler exists; the PyTorch path otherwise).
-    - ``"auto"``: ``"parallel"`` when not causal, ``"chunk"`` when causal.
-
     Parameters
     ----------
     q : Tensor
@@ -171,7 +140,11 @@ def linear_attention(
         Negative happens only with feature maps that take negative values: the output
         ``num / eps`` is then meaningless (chapter 2 shows why). Use a non-negative φ.
     method : str
-        One of ``"auto"``, ``"parallel"``, ``"quadratic"``, ``"recurrent"``, ``"chunk"``.
+        ``"parallel"`` (non-causal ``φ(Q)(φ(K)ᵀV)``), ``"quadratic"`` (the masked ``Tq×Tk`` matrix),
+        ``"recurrent"`` (causal; the token loop of :func:`linear_attention_step`), ``"chunk"``
+        (causal; chunkwise, on the backend :mod:`linattn.backends` picks), or ``"auto"``:
+        ``"chunk"`` when causal, else ``"parallel"``. All give the same numbers up to rounding and
+        stay causal whatever the values (a NaN at position ``t`` changes no earlier output).
     chunk_size : int
         Tokens per chunk for ``method="chunk"``; ``T`` need not be a multiple of it.
     attention_mask : Tensor, optional
@@ -227,7 +200,7 @@ def linear_attention(
     eps = _checks.check_eps(eps, acc)
     chunk_size = _checks.check_chunk_size(chunk_size)
     attention_mask = _checks.check_attention_mask(attention_mask, k)
-    method = _resolve_method(method, causal)
+    method = resolve_linear_attention_method(method, causal)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=causal, resumed=initial_state is not None,
                                      same_length=q.shape[2] == k.shape[2], caller="linear_attention")
@@ -241,8 +214,8 @@ def linear_attention(
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
                       return_state, acc):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
-    if (method == "chunk" and phi is elu_plus_one and attention_mask is None
-            and not _fused_kernel_applies(q, chunk_size) and _cpu_kernel_applies(q.to(acc))):
+    if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
+            and backends.select("linear_attention", q.to(acc), k, v, chunk_size=chunk_size) == "cpu"):
         return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
@@ -254,22 +227,25 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     B, H, _, M = phi_k.shape
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
-    if method == "chunk" and _fused_kernel_applies(phi_q, chunk_size):
-        fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
-        # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
-        if fused is not None and (compiling() or all_finite(fused[1])):
-            out_aug, S = fused
-            out = finish(out_aug, normalize, eps)
-            return out, (LinearAttentionState.from_augmented(S) if return_state else None)
-    if method == "chunk" and _cpu_kernel_applies(phi_q):
-        return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
     if method == "chunk":
+        backend = backends.select("linear_attention", phi_q, phi_k, v32, chunk_size=chunk_size)
+        if backend == "triton":
+            fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
+            # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.
+            if fused is not None and (compiling() or all_finite(fused[1])):
+                out_aug, S = fused
+                out = divide_by_normaliser(out_aug, normalize, eps)
+                return out, (LinearAttentionState.from_augmented(S) if return_state else None)
+            backends._record("torch")
+        elif backend == "cpu":
+            return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
             normalize=normalize, eps=eps, chunk_size=chunk_size)
         return out, (LinearAttentionState(S, z) if return_state else None)
 
     # The reference algorithms carry the normaliser as an extra value column of ones.
+    backends._record("torch")
     S0 = None if state0 is None else state0.augmented()                   # (B, H, M, Dv + 1)
     v_aug = torch.cat([v32, torch.ones_like(v32[..., :1])], dim=-1)       # (B, H, Tk, Dv + 1)
     if method == "parallel":
@@ -278,27 +254,8 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
         out_aug, S = quadratic_linear_attention(phi_q, phi_k, v_aug, S0, causal, need_state=return_state)
     else:
         out_aug, S = recurrent_linear_attention(phi_q, phi_k, v_aug, S0)
-    out = finish(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
+    out = divide_by_normaliser(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
     return out, (LinearAttentionState.from_augmented(S) if return_state else None)
-
-
-# Set when the fused kernel failed to compile or launch in this process: the message, once.
-_FUSED_KERNEL_FAILURE: list[str] = []
-
-
-def _fused_kernel_applies(phi_q: Tensor, chunk_size: int) -> bool:
-    """The Triton kernel runs for CUDA features (float32 here: for half inputs the kernel then reads
-    them rounded back to the input dtype) and power-of-two chunks >= 16, unless the environment sets
-    ``LINATTN_DISABLE_TRITON=1`` or the kernel already failed here."""
-    if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" or _FUSED_KERNEL_FAILURE:
-        return False
-    if not phi_q.is_cuda or phi_q.dtype != torch.float32:
-        return False
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        return False
-    from .kernels import triton_available
-
-    return triton_available()
 
 
 def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
@@ -314,29 +271,9 @@ def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, retur
     return out, (LinearAttentionState(S, z) if return_state else None)
 
 
-def _cpu_kernel_applies(phi_q: Tensor) -> bool:
-    """The compiled CPU kernel runs for CPU float32/float64 features when ``LINATTN_CPU_KERNEL=1``
-    (outside ``torch.compile`` and ``torch.func`` transforms) and the kernel could be built here."""
-    from .kernels import cpu
-
-    if not cpu.cpu_kernel_enabled() or phi_q.device.type != "cpu" or phi_q.dtype not in (torch.float32,
-                                                                                          torch.float64):
-        return False
-    if compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    if not cpu.cpu_kernel_available():
-        cpu.warn_unavailable_once()
-        return False
-    return True
-
-
 def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[LinearAttentionState],
                  chunk_size: int, input_dtype: torch.dtype = torch.float32) -> Optional[tuple[Tensor, Tensor]]:
-    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU.
-
-    For float16/bfloat16 inputs the kernel reads the features and values in that dtype (half
-    the memory traffic) and accumulates and returns in float32; the state is float32 too.
-    """
+    """The Triton path, or None (with a warning, once) if the kernel cannot run on this GPU."""
     from . import kernels
 
     S0 = None if state0 is None else state0.augmented()
@@ -348,22 +285,17 @@ def _fused_chunk(phi_q: Tensor, phi_k: Tensor, v32: Tensor, state0: Optional[Lin
         return kernels.chunk_linear_attention_triton(phi_q, phi_k, v_aug, S0, chunk_size,
                                                      out_dtype=torch.float32 if half else None)
     except Exception as err:  # e.g. a compile or launch failure (out of shared memory) on this GPU
-        _FUSED_KERNEL_FAILURE.append(repr(err))
-        warnings.warn(
-            f"linattn: the fused Triton kernel failed ({err!r}); using the PyTorch chunk path "
-            "from now on in this process (set LINATTN_DISABLE_TRITON=1 to skip the kernel)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        backends._triton_failed(err)
         return None
 
 
-def _resolve_method(method, causal: bool) -> str:
+def resolve_linear_attention_method(method, causal: bool) -> str:
+    """``method`` of :func:`linear_attention` checked against ``causal``; ``"auto"`` resolved."""
     if not isinstance(method, str):
         raise TypeError(f"method must be a str, got {type(method).__name__}")
     method = method.strip().lower()
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
+    if method not in LINEAR_ATTENTION_METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, LINEAR_ATTENTION_METHODS))}")
     if method == "auto":
         return "chunk" if causal else "parallel"
     if causal and method == "parallel":
@@ -374,3 +306,130 @@ def _resolve_method(method, causal: bool) -> str:
             "or 'quadratic' for non-causal attention"
         )
     return method
+
+
+def linear_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Optional[LinearAttentionState] = None,
+    *,
+    feature_map: "str | FeatureMap | None" = "elu+1",
+    normalize: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, LinearAttentionState]:
+    """Causal linear attention for one new token: update the state, then read it with the query.
+
+    Implements Katharopoulos et al. (2020), eqs. 18-20::
+
+        S_t = S_{t-1} + φ(k_t) v_tᵀ,   z_t = z_{t-1} + φ(k_t),
+        y_t = S_tᵀ φ(q_t) / z_tᵀ φ(q_t)
+
+    Parameters
+    ----------
+    q, k : Tensor
+        ``(B, H, D)``, the current token's query and key (floating, same dtype and device).
+    v : Tensor
+        ``(B, H, Dv)``, the current token's value.
+    state : LinearAttentionState, optional
+        The state after the previous tokens; ``None`` starts from an empty state.
+        ``S`` must be ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)``.
+    feature_map : str, callable or None
+        φ, as in :func:`linattn.linear_attention`.
+    normalize : bool
+        Divide by the normaliser ``φ(q_t)ᵀz_t`` (True) or return the numerator only.
+    eps : float
+        Used in place of a normaliser that is zero, negative or not finite, as in
+        :func:`linattn.linear_attention`; a positive normaliser is used as it is.
+
+    Returns
+    -------
+    out : Tensor
+        ``(B, H, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
+    state : LinearAttentionState
+        The updated state, in float32 (float64 for float64 inputs).
+
+    Raises
+    ------
+    TypeError
+        Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type or whose
+        ``S``/``z`` are not floating tensors.
+    ValueError
+        Wrong ranks, an empty dimension, mismatched (B, H, D), a state whose shapes, dtypes or
+        device do not match, ``eps`` not a positive normal number of the computation dtype, a
+        position-dependent feature map (cosFormer), a feature map whose output has other
+        leading dimensions or lives on another device.
+    """
+    if not _checks.step_inputs_ok(q, k, v):             # one cheap test; the full checks say what is wrong
+        _check_step_inputs(q, k, v)
+    plain = type(feature_map) is str and type(normalize) is bool and type(eps) is float
+    key = (feature_map, normalize, eps, q.dtype)
+    options = _STEP_OPTIONS.get(key) if plain else None
+    if options is None:                                  # checked once per set of plain options, then remembered
+        options = _step_options(feature_map, normalize, eps, q.dtype)
+        if plain and len(_STEP_OPTIONS) < 64:
+            _STEP_OPTIONS[key] = options
+    phi, normalize, eps, acc = options
+    if q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compiling():
+        out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)      # nothing to switch off
+    else:
+        with no_autocast(q.device):
+            out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), LinearAttentionState._unchecked(S, z)
+
+
+_STEP_OPTIONS: dict = {}
+
+
+def _step(q, k, v, state, phi, normalize, eps, acc):
+    """The arithmetic of :func:`linear_attention_step` on checked inputs: ``(out, S, z)`` in ``acc``."""
+    q32, k32, v32 = (q if q.dtype == acc else q.to(acc)), (k if k.dtype == acc else k.to(acc)), v.to(acc)
+    phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)              # (B, H, M)
+    B, H, M = phi_k.shape
+    Dv = v.shape[-1]
+    if state is not None and not state._matches(B, H, M, Dv, acc, q.device):
+        state = check_initial_state(state, B, H, M, Dv, acc, q.device, name="state")
+    if state is None:
+        S = phi_k.unsqueeze(-1) * v32.unsqueeze(-2)                      # (B, H, M, Dv)
+        z = phi_k.clone(memory_format=torch.contiguous_format)           # (B, H, M), never the caller's k
+    else:
+        S = torch.addcmul(state.S, phi_k.unsqueeze(-1), v32.unsqueeze(-2))
+        z = state.z + phi_k
+    out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                          # (B, H, Dv)
+    if normalize:
+        den = (phi_q * z).sum(-1, keepdim=True)                          # (B, H, 1)
+        out = out / safe_normaliser(den, eps)
+    return out, S.contiguous(), z.contiguous()
+
+
+def _step_options(feature_map, normalize, eps, dtype) -> tuple:
+    """:func:`linear_attention_step`'s options checked: ``(phi, normalize, eps, accumulation dtype)``."""
+    normalize = _checks.check_bool(normalize, "normalize")
+    acc = _checks.accumulation_dtype(dtype)
+    eps = _checks.check_eps(eps, acc)
+    phi = resolve_feature_map(feature_map)
+    if _checks.position_dependent(phi):
+        raise ValueError(
+            f"linear_attention_step cannot apply the position-dependent feature_map {type(phi).__name__}: "
+            "it sees one token without its position; compute the features yourself, e.g. "
+            "phi(x[:, :, None], offset=t)[:, :, 0], and pass feature_map=None")
+    return phi, normalize, eps, acc
+
+
+def _check_step_inputs(q, k, v) -> None:
+    """The checks of :func:`linear_attention_step`'s ``q``, ``k``, ``v``, raising the error that names the problem."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks.check_tensor(x, name, 3, "(batch, heads, dim)")
+    _checks.check_same_kind({"q": q, "k": k, "v": v})
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            "q, k (B, H, D) and v (B, H, Dv) must share B and H, got "
+            f"q {_checks.shape_str(q.shape)}, k {_checks.shape_str(k.shape)}, v {_checks.shape_str(v.shape)}"
+        )
+    raise ValueError(
+        f"q and k must have the same head_dim D (dim 2), got q {_checks.shape_str(q.shape)} "
+        f"and k {_checks.shape_str(k.shape)}"
+    )
+
+
+__getattr__ = moved(__name__, {"METHODS": "linattn.attention:LINEAR_ATTENTION_METHODS"})

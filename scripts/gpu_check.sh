@@ -3,10 +3,10 @@
 #
 #   bash scripts/gpu_check.sh [RESULTS_DIR]        # default: $OUT if set, else ./gpu_results
 #
-# 1. the GPU tests without the Triton interpreter: tests/test_gpu.py (fused kernel against the
+# 1. the GPU tests without the Triton interpreter: tests/kernels/test_gpu.py (fused kernel against the
 #    PyTorch chunk path, values and gradients, float32/float16/bfloat16 inputs with float32
 #    accumulation, ragged T; CUDA autocast for linear_attention, the decay family and a hybrid
-#    TransformerLM) and tests/test_triton_kernel.py (the kernel against its twin, compiled);
+#    TransformerLM) and tests/kernels/test_triton.py (the kernel against its twin, compiled);
 # 2. python -m linattn.bench on CUDA against SDPA (FlashAttention), float16 and float32,
 #    T = 1024 ... 65536, H = 8, D = 64;
 # 3. if fla-core is importable (carried as a wheel in .whl/, installed below), linattn against
@@ -35,7 +35,7 @@ else
   DEV=(--device cuda --seq-lens 1024 4096 16384 65536 --heads 8 --head-dim 64 --repeats 5 --warmup 2)
 fi
 echo "== 1. GPU tests"
-"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py tests/test_triton_kernel.py \
+"$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/kernels/test_gpu.py tests/kernels/test_triton.py \
   2>&1 | tee "$RESULTS/tests.log" || status=1
 echo "== 2. benchmark against SDPA ($(( $(date +%s) - start )) s so far)"
 for dtype in float16 float32; do

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from linattn import utils
+from linattn import book as utils
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NUMPY_WARNING = "Failed to initialize NumPy"

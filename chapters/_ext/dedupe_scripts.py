@@ -4,7 +4,7 @@ sphinx-thebe 0.3.1 (loaded by every jupyter-book 1.0 build) registers an inline 
 declares ``const THEBE_JS_URL``; Sphinx 7.4 emits it twice per page (once registered with
 filename ``None``, once with ``''``), and the browser reports a SyntaxError on the second
 copy. This extension removes exact repeats (same file, or same inline body, and the same
-attributes) from each page's script list, keeping the first. tests/test_site.py checks that
+attributes) from each page's script list, keeping the first. tests/book/test_site.py checks that
 no page logs a JavaScript error.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ available, this extension copies its ``es5`` folder (and its licence) into the b
 ``LINATTN_MATHJAX_DIR=`` (set, empty) keeps the CDN even where the cache exists; a fresh
 clone has no cache, so the published site keeps the CDN. A variable that names no MathJax 3
 copy is a build warning (an error under ``-W``), not a silent fallback.
-tests/test_site.py checks both builds in a browser.
+tests/book/test_site.py checks both builds in a browser.
 """
 from __future__ import annotations
 

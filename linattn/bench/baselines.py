@@ -1,32 +1,4 @@
-"""The methods a benchmark can time: linattn's paths, plain PyTorch baselines and peers.
-
-Every method computes causal, normalised linear attention with elu+1 features from
-``(B, H, T, D)`` inputs, except ``sdpa``, the softmax reference:
-
-``sdpa``
-    ``torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)``.
-``quadratic``
-    ``linattn.linear_attention(..., causal=True, method="quadratic")``: the masked T×T form.
-``cumsum``
-    :func:`cumsum_linear_attention`: prefix sums of outer products, ``(B, H, T, M, Dv)``.
-``baseline_chunk``
-    :func:`baseline_chunk_linear_attention`: a straightforward PyTorch chunkwise form.
-``compiled_baseline``
-    ``torch.compile`` of :func:`baseline_chunk_linear_attention` (inductor, static shapes;
-    the warm-up calls absorb the compilation): what a user who reaches for the compiler gets.
-``chunk``
-    ``linattn.linear_attention(..., causal=True, method="chunk")``: the package's path as
-    dispatched (on CUDA with Triton the fused kernel; on the CPU the PyTorch chunk form, or
-    the compiled CPU kernel when ``LINATTN_CPU_KERNEL=1``).
-``chunk_cpu``
-    :func:`linattn.kernels.cpu.causal_linear_attention_cpu` on elu+1 features: the compiled
-    CPU kernel called directly (CPU, float32/float64, where a C++ compiler exists).
-``fused``
-    :func:`linattn.kernels.chunk_linear_attention_triton` called directly (CUDA with Triton).
-
-Other peers (code that is not linattn's, such as another library's kernel) are passed to
-:func:`linattn.bench.run_benchmark` as ``peers={name: fn}``.
-"""
+"""The methods a benchmark can time: linattn's paths, plain PyTorch baselines and peers."""
 from __future__ import annotations
 
 import os
@@ -52,7 +24,7 @@ LINEAR_METHODS = ("cumsum", "baseline_chunk", "compiled_baseline", "chunk", "chu
 DEFAULT_CHUNK_SIZE = 64
 
 
-def _features(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _elu_features(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """elu+1 features of q and k, and v, in the accumulation dtype (float32 for half inputs)."""
     acc = _checks.accumulation_dtype(q.dtype)
     return elu_plus_one(q.to(acc)), elu_plus_one(k.to(acc)), v.to(acc)   # (B, H, T, M), (B, H, T, Dv)
@@ -60,13 +32,6 @@ def _features(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def cumsum_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, eps: float = 1e-6) -> Tensor:
     """Causal linear attention by prefix sums of outer products: a memory-hungry baseline.
-
-    Katharopoulos et al. (2020), eq. 9 taken literally: every state
-    ``S_t = Σ_{j<=t} φ(k_j) v_jᵀ`` is built at once by ``torch.cumsum`` over the
-    ``(B, H, T, M, Dv)`` outer products, the normaliser ``z_t = Σ_{j<=t} φ(k_j)`` likewise,
-    and ``y_t = φ(q_t)ᵀS_t / max(φ(q_t)ᵀz_t, eps)``, with φ = elu+1. Linear in ``T``, but it
-    stores ``T`` states of ``M×Dv`` numbers (several copies, kept for the backward pass):
-    the benchmark shows what materialising the states costs.
 
     Parameters
     ----------
@@ -90,7 +55,7 @@ def cumsum_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, eps: float = 1e-
     """
     _checks.check_qkv(q, k, v, causal=True, causal_only="cumsum_linear_attention")
     _checks.check_eps(eps)
-    phi_q, phi_k, v = _features(q, k, v)
+    phi_q, phi_k, v = _elu_features(q, k, v)
     S = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)      # (B, H, T, M, Dv)
     z = torch.cumsum(phi_k, dim=2)                                      # (B, H, T, M)
     num = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                         # (B, H, T, Dv)
@@ -118,35 +83,17 @@ def baseline_chunk_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_si
         S_<c = Σ_{c'<c} S_c',  z_<c = Σ_{c'<c} z_c'              exclusive cumulative sums
         Y_c = (φ(Q_c) S_<c + A_c V_c) / max(φ(Q_c) z_<c + A_c 1, eps)
 
-    with φ = elu+1. Numerator and normaliser are carried separately (no ones column), and
-    autograd provides the backward pass, which keeps every ``A_c`` and ``S_<c``.
-
     Parameters
     ----------
-    q, k : Tensor
-        ``(B, H, T, D)`` queries and keys.
-    v : Tensor
-        ``(B, H, T, Dv)`` values, same dtype and device.
+    q, k, v, eps
+        As in :func:`cumsum_linear_attention`, which also gives the result and the errors.
     chunk_size : int
         Tokens per chunk ``C >= 1``.
-    eps : float
-        Positive lower bound on the normaliser.
-
-    Returns
-    -------
-    Tensor
-        ``(B, H, T, Dv)`` in the dtype of ``q``; computed in float32 for half and bfloat16
-        inputs (float64 for float64), as :func:`linattn.linear_attention` does.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Bad inputs, as for :func:`linattn.linear_attention` with ``causal=True``.
     """
     _checks.check_qkv(q, k, v, causal=True, causal_only="baseline_chunk_linear_attention")
     _checks.check_chunk_size(chunk_size)
     _checks.check_eps(eps)
-    phi_q, phi_k, v = _features(q, k, v)
+    phi_q, phi_k, v = _elu_features(q, k, v)
     B, H, T, M = phi_k.shape
     Dv, C = v.shape[-1], chunk_size
     pad = -T % C
@@ -169,7 +116,7 @@ def _fused_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int,
     """elu+1 features, then :func:`linattn.kernels.chunk_linear_attention_triton` with a ones column."""
     from ..kernels import chunk_linear_attention_triton
 
-    phi_q, phi_k, v = _features(q, k, v)
+    phi_q, phi_k, v = _elu_features(q, k, v)
     v_aug = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)        # (B, H, T, Dv + 1)
     if q.dtype in (torch.float16, torch.bfloat16):                      # half in, float32 sums out
         out_aug, _ = chunk_linear_attention_triton(phi_q.to(q.dtype), phi_k.to(q.dtype), v_aug.to(q.dtype), None,
@@ -185,11 +132,7 @@ _COMPILED: dict = {}
 
 def compiled_baseline_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                                        eps: float = 1e-6) -> Tensor:
-    """``torch.compile`` (inductor) of :func:`baseline_chunk_linear_attention`, compiled once per process.
-
-    Static shapes: each new ``T`` (or chunk size, or whether gradients are needed) compiles
-    again on its first call, which a benchmark's warm-up calls absorb.
-    """
+    """``torch.compile`` (inductor) of :func:`baseline_chunk_linear_attention`, compiled once per process."""
     fn = _COMPILED.get("fn")
     if fn is None:
         fn = _COMPILED["fn"] = torch.compile(baseline_chunk_linear_attention, dynamic=False)

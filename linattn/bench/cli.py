@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS
+from .decode import format_decode_table, run_decode_benchmark
 from .report import format_decay_table, format_table, machine_info, plot_results
 from .run import (DECAY_VARIANTS, DEFAULT_DECAY_SEQ_LENS, DEFAULT_GATE_TEMPERATURE, DEFAULT_SEQ_LENS, DTYPES,
                   MIN_GATE_TEMPERATURE, _resolve_device,
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seq-lens", type=_positive_int, nargs="+", default=None, metavar="T",
         help=f"sequence lengths (default: {' '.join(map(str, DEFAULT_SEQ_LENS))})")
     add("--batch", type=_positive_int, default=1, help="batch size B (default: %(default)s)")
-    add("--heads", type=_positive_int, default=4, help="heads H (default: %(default)s)")
+    add("--heads", type=_positive_int, default=None, help="heads H (default: 4; 8 with --decode)")
     add("--head-dim", type=_positive_int, default=64, help="head dimension D = Dv (default: %(default)s)")
     add("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
         help=f"methods to run, out of: {', '.join(METHODS)} (default: all but compiled_baseline)")
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
              "the gated delta rule) against the ungated update; --seq-lens defaults to "
              f"{' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, --methods, --reference, --max-memory-gb and "
              "--plot do not apply (and are refused)")
+    add("--decode", action="store_true",
+        help="instead: time one decoding step (linear_attention_step, LinearMixer) against its bare update, "
+             "B=--batch, H=--heads (default 8), D=--head-dim, float32, no grad, on the CPU; pin --threads 1")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
     add("--no-recurrent", action="store_true",
@@ -111,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run ``python -m linattn.bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
-
-    0 when every cell that could run ran (skipped and unavailable cells are fine), 1 when
-    a cell failed (the table, JSON and plot are written all the same). Bad flags exit with
-    argparse's usage message and status 2.
-    """
+    """Run ``python -m linattn.bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.decode:
+        if args.decay or args.methods is not None or args.device == "cuda" or args.plot is not None:
+            parser.error("--decode times CPU decoding steps: --decay, --methods, --device cuda and --plot do not apply")
+        with pinned_threads(args.threads):
+            return _main_decode(args, argv)
     if args.decay:
         for flag, value in (("--methods", args.methods), ("--max-memory-gb", args.max_memory_gb),
                             ("--plot", args.plot),
@@ -171,7 +175,7 @@ def _main_attention(args: argparse.Namespace, device: torch.device, argv: Option
     """``python -m linattn.bench``: the table of :func:`run_benchmark` (and JSON, PNG)."""
     methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
     seq_lens = list(DEFAULT_SEQ_LENS) if args.seq_lens is None else args.seq_lens
-    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads or 4, head_dim=args.head_dim,
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
                     max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size[0], seed=args.seed)
     results = run_benchmark(methods, seq_lens, **settings, progress=not args.no_progress)
@@ -191,11 +195,25 @@ def _main_attention(args: argparse.Namespace, device: torch.device, argv: Option
     return 1 if any(r["status"] == "failed" for r in results) else 0
 
 
+def _main_decode(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+    """``python -m linattn.bench --decode``: the table of :func:`run_decode_benchmark` (and JSON)."""
+    settings = dict(batch=args.batch, heads=args.heads or 8, head_dim=args.head_dim, repeats=args.repeats,
+                    seed=args.seed)
+    rows = run_decode_benchmark(**settings)
+    print(format_decode_table(rows))
+    if args.json is not None:
+        metadata = machine_info(torch.device("cpu"))
+        metadata.update(settings, threads=args.threads,
+                        command=["python", "-m", "linattn.bench", *(sys.argv[1:] if argv is None else argv)])
+        _write_json(args.json, metadata, rows)
+    return 0
+
+
 def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[Sequence[str]]) -> int:
     """``python -m linattn.bench --decay``: the table of :func:`run_decay_benchmark` (and JSON)."""
     seq_lens = args.seq_lens if args.seq_lens is not None else list(DEFAULT_DECAY_SEQ_LENS)
     variants = list(DECAY_VARIANTS) if args.variants is None else args.variants
-    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+    settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads or 4, head_dim=args.head_dim,
                     chunk_size=(lambda sizes: sizes[0] if len(sizes) == 1 else sizes)(list(dict.fromkeys(args.chunk_size))),
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward, seed=args.seed,
                     recurrent=not args.no_recurrent,

@@ -20,24 +20,6 @@ def forward_flops(method: str, seq_len: int, *, batch: int, heads: int, head_dim
                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
     """Useful floating-point operations of one causal forward pass (a multiply-add counts 2).
 
-    One yardstick per problem, so that GFLOP/s compare the way speeds do (``M = D = Dv``
-    for elu+1 and this benchmark's shapes):
-
-    - ``sdpa`` and ``quadratic`` (the T² forms): the visible query-key pairs,
-      ``T(T+1)/2`` per head, each costing ``2D`` for its score and ``2Dv`` for its weighted
-      value: ``B·H·T(T+1)(D + Dv)``. Not counted: softmax's exponentials, the normaliser
-      column of ``quadratic``, and the masked half that dense kernels compute anyway.
-    - ``cumsum``, ``baseline_chunk``, ``compiled_baseline``, ``chunk``, ``chunk_cpu``, ``fused``
-      (the linear forms): the matmuls
-      of the chunkwise algorithm with ``C = chunk_size`` and the normaliser as one extra
-      value column, per token: ``2C·M`` (``φ(Q_c)φ(K_c)ᵀ``, full ``C×C`` blocks) +
-      ``2C·(Dv+1)`` (scores times ``[V_c, 1]``) + ``2M·(Dv+1)`` (``φ(Q_c)S``) +
-      ``2M·(Dv+1)`` (state update ``φ(K_c)ᵀ[V_c, 1]``), so
-      ``B·H·T·(2C(M + Dv + 1) + 4M(Dv + 1))``. All of them are credited with this same count,
-      whatever they execute (``cumsum`` multiplies less but moves ``T·M·Dv`` numbers;
-      ``chunk_cpu``, a token recurrence with two-level sums, executes about ``5·M·Dv + 4·M`` per
-      token, about 0.6 of it at ``C = M = Dv = 64``; the plain recurrence ``4·M·Dv + 3·M``, half).
-
     Parameters
     ----------
     method : str
@@ -83,30 +65,17 @@ def predict_memory(method: str, seq_len: int, *, batch: int, heads: int, head_di
         chunk_cpu       (2N + 8)·B·H·D(D + 1) + 4·Lc·(2D + 1) + L·D
         fused           (2N + 8)·B·H·D(D + 1) + 4·Lc·(2D + 1)
 
-    The coefficients were fitted to :func:`peak_memory` on CPU (T = 1…4096, D = 8…64,
-    C = 4…64) and rounded up, so the estimate bounds the measured peak there, by up to
-    about 1.6× at large T; it also bounds a forward pass alone.
-
     Parameters
     ----------
-    method : str
-        One of :data:`METHODS`.
-    seq_len, batch, heads, head_dim : int
-        ``T``, ``B``, ``H`` and ``D = Dv``.
+    method, seq_len, batch, heads, head_dim, chunk_size
+        As in :func:`forward_flops`, which also names the errors.
     dtype : torch.dtype
         Input dtype.
-    chunk_size : int
-        ``C`` of the chunkwise forms.
 
     Returns
     -------
     int
         Bytes.
-
-    Raises
-    ------
-    ValueError
-        If ``method`` is unknown.
     """
     _check_method(method)
     D, C = head_dim, chunk_size

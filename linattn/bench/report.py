@@ -69,15 +69,6 @@ def _align(rows: list[list[str]], left: int = 2) -> list[str]:
 def format_table(results: Sequence[dict], reference: Optional[str] = "chunk") -> str:
     """An aligned plain-text table of :func:`linattn.bench.run_benchmark`'s results, one block per ``T``.
 
-    Columns: the median forward and forward+backward times in ms with the spread of the
-    repetitions (``±`` half of ``(max − min) / median``; ``!`` marks a spread above
-    :data:`NOISY`, a cell to distrust), the peak memory (MB, 10⁶ bytes), the forward's share
-    of the float32 matmul rate measured in the same rounds, and the time of each method
-    divided by the time of ``reference`` at the same ``T`` (median of the round-by-round
-    ratios, with their range: above 1, the reference is faster). Methods that cannot run on
-    this device are left out of the table and listed under it; skipped and failed cells show
-    why.
-
     Parameters
     ----------
     results : sequence of dict
@@ -138,16 +129,6 @@ def format_table(results: Sequence[dict], reference: Optional[str] = "chunk") ->
 
 def format_decay_table(results: Sequence[dict]) -> str:
     """An aligned plain-text table of :func:`linattn.bench.run_decay_benchmark`'s results.
-
-    One line per (T, variant, chunk size): median forward and forward+backward times (ms, with
-    the spread of the repetitions) of the chunk and recurrent forms, the ratios recurrent / chunk
-    (above 1: the chunk form is faster) and the chunk form's forward+backward time over the
-    ungated update's (``linear_attention(q, k, v, feature_map=None, normalize=False,
-    causal=True)`` at the same chunk size, timed in the same rounds). With several chunk sizes a
-    last column divides each chunk form's forward+backward time by its own at the first chunk
-    size, round by round. The title gives the chunk length the functions actually use, ``C =
-    min(chunk_size, T)`` (a column ``C`` when it differs between rows), the number of torch
-    threads and the CPU or GPU.
 
     Parameters
     ----------
@@ -312,5 +293,5 @@ def _cpu_capability() -> Optional[str]:
 
 def _commit():
     """The git commit of the checkout the package runs from (None outside one), as the studies record it."""
-    from ..experiments import _git_commit
-    return _git_commit()
+    from ..experiments.origin import git_commit
+    return git_commit()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from ..utils import default_device
+from ..book import default_device
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS, method_fn, unavailable
 from .costs import forward_flops, predict_memory
 from .timing import cpu_name, interleaved_times, paired_ratios, peak_memory, pinned_threads, summarise
@@ -45,21 +45,6 @@ def run_benchmark(
     progress: bool = False,
 ) -> list[dict]:
     """Time and measure every (method, T) cell of causal attention on random inputs.
-
-    For each ``T`` in ``seq_lens``, q, k, v (``(B, H, T, D)``, ``D = Dv = head_dim``) and an
-    upstream gradient are drawn from a standard normal with a generator seeded by ``seed``
-    (the global RNG is left alone); every method then gets the same tensors. The methods of
-    one ``T`` are timed **interleaved** (:func:`linattn.bench.timing.interleaved_times`): after
-    ``warmup`` untimed calls of each, every one of ``repeats`` rounds calls each method once,
-    forward passes first, then forward+backward passes, and the float32 matmul yardstick
-    (:func:`linattn.bench.timing.matmul_gflops`'s product) is timed in the same rounds. Each
-    cell reports the median and the spread of its repetitions, and its speed relative to
-    the other methods as round-by-round ratios (see :func:`linattn.bench.format_table`).
-
-    A cell whose :func:`linattn.bench.predict_memory` exceeds ``max_memory_gb`` is not run and
-    marked ``"skipped"``; a method that cannot run here (``fused`` without CUDA and Triton,
-    ``chunk_cpu`` without a C++ compiler) is ``"unavailable"``; a cell that raises is
-    ``"failed"``, and the run goes on.
 
     Parameters
     ----------
@@ -251,11 +236,7 @@ def _inputs(B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.de
 
 
 def ratio(results: Sequence[dict], method: str, reference: str, seq_len: int, key: str = "fwd_s") -> dict:
-    """Round-by-round ``time(method) / time(reference)`` at one ``T``: median, min and max (None if missing).
-
-    ``key`` is ``"fwd_s"`` or ``"fwd_bwd_s"``. Above 1: ``method`` takes longer, i.e. the
-    reference is that many times faster.
-    """
+    """Round-by-round ``time(method) / time(reference)`` at one ``T``: median, min and max (None if missing)."""
     cells = {(r["method"], r["seq_len"]): r for r in results if r["status"] == "ok"}
     a, b = cells.get((method, seq_len)), cells.get((reference, seq_len))
     if a is None or b is None:
@@ -344,14 +325,7 @@ MIN_GATE_TEMPERATURE = 1e-6
 
 def _decay_inputs(variant: str, B: int, H: int, T: int, D: int, dtype: torch.dtype, device: torch.device,
                   seed: int, gate_temperature: float = DEFAULT_GATE_TEMPERATURE) -> tuple[Tensor, ...]:
-    """Seeded q, k, v (leaves that require grad) and the variant's decay argument.
-
-    retention: γ = 1 − 2^-(5+h) for head h (RetNet's schedule); gla: ``log_g = logsigmoid(x)/τ``
-    (GLA's gate with temperature ``τ = gate_temperature``, 16 in the paper); delta: L2-normalised
-    keys and ``β = sigmoid(x)``; gated_delta (one gate per head) and gated_delta_channel (one per
-    key channel): as delta, with ``log_g = logsigmoid(x)/τ``. The decay arguments are returned as
-    a tuple.
-    """
+    """Seeded q, k, v (leaves that require grad) and the variant's decay argument."""
     gen = torch.Generator().manual_seed(seed)
     q, k, v, x = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))     # (B, H, T, D)
     if variant == "retention":
@@ -389,19 +363,6 @@ def run_decay_benchmark(
     recurrent: bool = True,
 ) -> list[dict]:
     """Time the decay family: chunk and recurrent forms, and the ungated update as the yardstick.
-
-    For each ``T``: the ungated update, ``linear_attention(q, k, v, feature_map=None,
-    normalize=False, causal=True)`` (variant ``"ungated"``, method ``"chunk"``), and for each
-    variant (``retention``: :func:`linattn.retention`, ``gla``:
-    :func:`~linattn.gated_linear_attention`, ``delta``: :func:`~linattn.delta_rule`,
-    ``gated_delta`` and ``gated_delta_channel``: :func:`~linattn.gated_delta_rule` with one gate
-    per head or per key channel) both ``method="chunk"`` and ``method="recurrent"``, on the same
-    seeded inputs (``D = Dv = head_dim``). All the calls of one ``T`` are timed interleaved
-    (:func:`linattn.bench.timing.interleaved_times`): the median forward time under
-    ``torch.no_grad`` and, with ``backward``, the median forward+backward time
-    (``autograd.grad`` w.r.t. q, k, v of the output against a seeded upstream gradient). Several
-    chunk sizes are timed in the same rounds: the ungated update and every variant's chunk form at
-    each of them, the recurrent form (which has no chunks) once.
 
     Parameters
     ----------

@@ -1,16 +1,7 @@
-"""Timers: medians of interleaved repetitions with their spread, peak memory, the matmul yardstick.
-
-``median_time`` and ``peak_memory`` are what every chapter's timing and memory cells use.
-:func:`interleaved_times` is what the benchmark uses: every repetition calls each function
-once, in an order drawn afresh (seeded) for each round, so that a slow spell of a shared
-machine hits every method alike instead of the one that happened to run then, and no function
-always follows the same neighbour; the spread of the repetitions is reported next to every
-median.
-"""
+"""Timers: medians of interleaved repetitions with their spread, peak memory, the matmul yardstick."""
 from __future__ import annotations
 
 import contextlib
-import platform
 import statistics
 import random
 import time
@@ -20,6 +11,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..experiments.origin import cpu_name
 
 try:
     import resource                 # POSIX only: the page-fault counts of interleaved_times
@@ -117,14 +110,6 @@ def _existed_before(storage, args, kwargs) -> bool:
 def peak_memory(fn: Callable[[], object], *, device: torch.device | str = "cpu") -> int:
     """Peak bytes of tensor memory allocated while ``fn()`` runs.
 
-    On CUDA: ``torch.cuda.max_memory_allocated`` after a reset, minus what was allocated
-    before. On CPU, where PyTorch keeps no allocator statistics, every tensor that an
-    operator creates is counted (through a ``TorchDispatchMode``) until it is freed, and
-    the maximum of the running total is returned. The CPU figure is deterministic (the
-    same on every machine for the same code and shapes); it includes tensors saved for
-    the backward pass and the result of ``fn`` while they are alive, and excludes scratch
-    memory that a kernel allocates and frees internally.
-
     Parameters
     ----------
     fn : callable
@@ -165,9 +150,6 @@ def matmul_gflops(device: Union[torch.device, str] = "cpu", *, size: int = 2048,
                   warmup: int = 1) -> float:
     """This machine's float32 matmul throughput: ``2·size³`` FLOPs over the median time, in GFLOP/s.
 
-    The ceiling that the attention methods' GFLOP/s are read against (no TF32 on CUDA
-    unless the caller enabled it).
-
     Parameters
     ----------
     device : torch.device or str
@@ -194,22 +176,6 @@ def interleaved_times(fns: dict, *, repeats: int, warmup: int = 1,
                       on_error: Optional[Callable[[str, BaseException], None]] = None,
                       faults: Optional[dict] = None) -> dict:
     """Seconds of each call of each function, repetitions interleaved: ``{name: [s, ...]}``.
-
-    Every function is first called ``warmup`` times (untimed). Then each of ``repeats`` rounds
-    calls every function once, in an order drawn afresh for each round (seeded, so a run is
-    repeatable), so that no function always runs right after the same neighbour: a call can
-    pay for what the one before it left in the caches and the allocator, and rotating one
-    fixed order would keep every neighbour. A function that raises is dropped
-    from the later rounds; ``on_error(name, error)`` is called (or the error re-raised if
-    ``on_error`` is None) and its list holds the calls timed before.
-
-    With ``faults`` (a dict, filled in place), each timed call's minor page faults are also
-    counted, ``faults[name] = [n, ...]`` beside the times: the pages the process touched for the
-    first time (or again, after the allocator returned them to the system). On Linux each costs
-    microseconds of the call's time (about 2 µs on the machine the book was measured on), which
-    a method that reuses its memory avoids. Summed over all the process's threads
-    (``getrusage``); left empty where the platform has no ``resource`` module, and on CUDA, where
-    the device's memory is what matters.
 
     Parameters
     ----------
@@ -293,11 +259,7 @@ def summarise(samples: Sequence[float]) -> dict:
 
 
 def paired_ratios(a: Sequence[float], b: Sequence[float]) -> dict:
-    """Round-by-round ratios ``a_r / b_r`` of two interleaved series: median, min and max.
-
-    Timed seconds apart in the same round, the two calls saw nearly the same machine, so the
-    spread of their ratio is a fair measure of how well the ratio is known.
-    """
+    """Round-by-round ratios ``a_r / b_r`` of two interleaved series: median, min and max."""
     ratios = [x / y for x, y in zip(a, b) if y > 0]
     if not ratios:
         return {"median": None, "min": None, "max": None}
@@ -314,15 +276,3 @@ def pinned_threads(threads: Optional[int]):
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-
-
-def cpu_name() -> str:
-    """The CPU model, as /proc/cpuinfo names it (or what platform knows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

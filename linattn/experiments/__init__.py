@@ -1,25 +1,4 @@
-"""Studies too heavy for a notebook: one command each, results written with their provenance.
-
-``python -m linattn.experiments NAME [--workers W] [--cells I,J,...] [--out PATH]`` runs the grid
-of study ``NAME`` (seeds × budgets × models × ...), one grid cell per call of the study's
-``run_cell`` in a worker process with one intra-op thread, and writes a JSON results file
-(by default ``chapters/results/NAME.json``) that holds, besides the results, everything needed
-to reproduce them: the grid, seeds, budgets, the command, the number of threads, the torch and
-Python versions, the CPU, the git commit, the start time and the wall time. The chapter that
-plots the study reads the file, prints the command, and re-runs one cell under nbval, which must
-reproduce the cached value (:func:`check_cell`).
-
-A study is a module of this package with
-
-- ``NAME``: the command-line name;
-- ``DESCRIPTION``: one line;
-- ``grid() -> list[dict]``: the cells, each a JSON-serialisable dict of arguments;
-- ``run_cell(cell: dict) -> dict``: one cell's results (JSON-serialisable; deterministic for a
-  fixed seed and one thread);
-- optionally ``summarise(rows: list[dict]) -> dict``: derived numbers stored next to the rows.
-
-:data:`STUDIES` lists the registered ones.
-"""
+"""Studies too heavy for a notebook: one command each, results written with their provenance."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -34,7 +13,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "results_path"]
+from . import origin
+from .origin import git_commit, provenance, results_path
+
+__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "results_path", "git_commit"]
 
 STUDIES: dict[str, str] = {}
 """Study name -> module: a module of this package (``"recall"``) or a full dotted path."""
@@ -61,49 +43,6 @@ def study(name: str):
 def _module_path(name: str) -> str:
     module = STUDIES[name]
     return module if "." in module else f"{__name__}.{module}"
-
-
-def _repo_root() -> Optional[pathlib.Path]:
-    here = pathlib.Path(__file__).resolve().parents[2]
-    return here if (here / "chapters").is_dir() else None
-
-
-def results_path(name: str) -> pathlib.Path:
-    """Where study ``name`` keeps its results: ``chapters/results/<name>.json`` of the repository."""
-    root = _repo_root() or pathlib.Path.cwd()
-    return root / "chapters" / "results" / f"{name}.json"
-
-
-def _git_commit() -> Optional[str]:
-    root = _repo_root()
-    if root is None:
-        return None
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "linattn"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() + ("+uncommitted changes in linattn/" if dirty else "")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def provenance(threads: int) -> dict:
-    """What identifies the software and machine a result came from."""
-    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_worker": threads,
-            "commit": _git_commit()}
 
 
 def _run_cells(module: str, cells: list[dict], threads: int) -> list[dict]:
@@ -180,7 +119,7 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
                     if progress is not None:
                         progress(_progress_line(len(fresh), len(run), row))
     rows = [reused.get(_cell_key(c)) or fresh[_cell_key(c)] for c in todo]
-    end_commit = _git_commit()
+    end_commit = origin.git_commit()
     if end_commit != prov["commit"]:
         prov["commit_at_end"] = end_commit
     doc = {"study": name, "description": getattr(mod, "DESCRIPTION", ""),
@@ -204,13 +143,7 @@ def _cell_key(cell: dict) -> str:
 
 
 def _reusable_rows(mod, cells: list[dict]) -> dict:
-    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell.
-
-    A phase-2 study (best learning rate, more seeds) repeats its phase-1 sweep's seed-0 cell at
-    the best rate exactly; every cell is deterministic (fixed seed, one thread), so the phase-1
-    row is that cell's result and is copied, marked ``reused_from`` with the sweep's commit,
-    rather than trained twice. Nothing is reused when the sweep has no results file.
-    """
+    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell."""
     source = getattr(mod, "REUSE_FROM", None)
     if source is None:
         return {}
@@ -266,9 +199,6 @@ def load_results(name_or_path) -> dict:
 
 def check_cell(doc: dict, index: int) -> tuple[dict, dict]:
     """Re-run cell ``index`` of a results document here (one thread); returns (cached, recomputed) results.
-
-    The chapter prints both, rounded to what reproduces, so that nbval compares the cached
-    number with one computed today.
 
     Raises
     ------

@@ -1,21 +1,14 @@
-"""Training and evaluating the small character-level language models of the book's studies (private).
-
-One recipe for every model, as in chapter 8 (nanoGPT's): AdamW (β = (0.9, 0.99), weight decay
-0.1), a linear warm-up over 20 steps and a cosine decay to 0 over the whole budget, gradient
-clipping at 1, batches of windows of tiny Shakespeare drawn from a seeded generator (so every
-model of one seed sees the same batches). Evaluation is deterministic: every non-overlapping
-window of the validation split, the loss averaged per position of the window.
-"""
+"""Training and evaluating the small character-level language models of the book's studies (private)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..layers import TransformerLM
-from ..tasks import CharCorpus, tiny_shakespeare
+from ..models import TransformerLM
+from ..data import CharCorpus, tiny_shakespeare
 
 _CORPUS: Optional[CharCorpus] = None
 
@@ -42,28 +35,36 @@ def adamw_cosine(model: TransformerLM, *, lr: float, steps: int, warmup: int):
     return opt, schedule
 
 
-def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = 32,
-          block_size: int = 128, warmup: int = 20, log_every: int = 50) -> list[float]:
-    """Train in place; returns the mean training loss of every ``log_every`` steps (nats)."""
-    data = corpus()
+def train_steps(model: TransformerLM, batch: Callable[[int], tuple], loss: Callable, *, steps: int, lr: float,
+                warmup: int = 20, log_every: int = 50) -> list[float]:
+    """The studies' training loop, in place: ``batch(step) -> (x, y)``, ``loss(model, x, y)``; AdamW with
+    warm-up and cosine decay, gradients clipped at 1. Returns the mean loss of every ``log_every`` steps."""
     opt, schedule = adamw_cosine(model, lr=lr, steps=steps, warmup=warmup)
-    batches = torch.Generator().manual_seed(seed)
     curve, window = [], []
     model.train()
-    for _ in range(steps):
-        x, y = data.get_batch("train", batch_size, block_size, generator=batches)
-        loss = model.loss(x, y)
+    for step in range(steps):
+        x, y = batch(step)
+        value = loss(model, x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
-        window.append(loss.item())
+        window.append(value.item())
         if len(window) == log_every:
             curve.append(sum(window) / len(window))
             window = []
     model.eval()
     return curve
+
+
+def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = 32,
+          block_size: int = 128, warmup: int = 20, log_every: int = 50) -> list[float]:
+    """Train on tiny Shakespeare in place; returns the mean training loss of every ``log_every`` steps (nats)."""
+    data = corpus()
+    batches = torch.Generator().manual_seed(seed)
+    return train_steps(model, lambda step: data.get_batch("train", batch_size, block_size, generator=batches),
+                       lambda m, x, y: m.loss(x, y), steps=steps, lr=lr, warmup=warmup, log_every=log_every)
 
 
 @torch.no_grad()

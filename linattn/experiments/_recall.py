@@ -1,22 +1,12 @@
-"""Training and evaluating the small recall models of the studies (private).
-
-Multi-query associative recall (Arora et al., 2023) as a next-token task for a whole
-:class:`~linattn.TransformerLM`: nothing is hard-wired, so a model must find for itself that a
-value belongs to the key *before* it (by attending to the previous token: a short convolution,
-positions, or two layers). 64 keys and 64 values (the vocabulary of
-:func:`~linattn.tasks.multi_query_associative_recall`'s default), trained on 4, 8 and 16 pairs
-in turn and evaluated up to 32, in batches of 64. An earlier version (256 keys, up to 32 pairs,
-batches of 32, 600 steps) taught no model the lookup on this budget: the best of its sweep
-recalled 22 % of 4 pairs.
-"""
+"""Training and evaluating the small recall models of the studies (private)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..layers import TransformerLM
-from ..tasks import multi_query_associative_recall, recall_accuracy
-from ._lm import adamw_cosine
+from ..models import TransformerLM
+from ..data import multi_query_associative_recall, recall_accuracy
+from ._lm import train_steps
 
 TRAIN_PAIRS = (4, 8, 16)
 EVAL_PAIRS = (4, 8, 16, 32)
@@ -34,25 +24,17 @@ def build(model_kwargs: dict, seed: int) -> TransformerLM:
 def train(model: TransformerLM, *, steps: int, lr: float, seed: int, batch_size: int = BATCH_SIZE,
           warmup: int = 20) -> list:
     """AdamW with warm-up and cosine decay; the number of pairs cycles through TRAIN_PAIRS."""
-    opt, schedule = adamw_cosine(model, lr=lr, steps=steps, warmup=warmup)
     g = torch.Generator().manual_seed(seed)
-    curve, window = [], []
-    model.train()
-    for step in range(steps):
-        x, y = multi_query_associative_recall(batch_size, TRAIN_PAIRS[step % len(TRAIN_PAIRS)], vocab_size=VOCAB,
+
+    def batch(step: int):
+        return multi_query_associative_recall(batch_size, TRAIN_PAIRS[step % len(TRAIN_PAIRS)], vocab_size=VOCAB,
                                               generator=g)
-        loss = F.cross_entropy(model(x).transpose(1, 2).float(), y)     # unscored positions are -100
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        window.append(loss.item())
-        if len(window) == 50:
-            curve.append(round(sum(window) / len(window), 4))
-            window = []
-    model.eval()
-    return curve
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(x).transpose(1, 2).float(), y)          # unscored positions are -100
+
+    curve = train_steps(model, batch, loss, steps=steps, lr=lr, warmup=warmup)
+    return [round(v, 4) for v in curve]
 
 
 @torch.no_grad()

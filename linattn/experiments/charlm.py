@@ -1,14 +1,4 @@
-"""Chapter 8's language models at tuned learning rates, three seeds and several budgets.
-
-Chapter 8's character model (2 layers, ``d_model = 64``, 4 heads, learned positions for 128
-characters, tiny Shakespeare, batches of 32 windows of 128) with linear (elu+1) or softmax
-attention, trained with the recipe of :mod:`linattn.experiments._lm` (AdamW, 20 warm-up steps,
-a cosine decay to zero *over the run's own budget*). Grid: both models, learning rates
-3e-3, 1e-2 and 3e-2, seeds 0, 1 and 2, and budgets of 100, 200, 300 and 400 steps (each a run
-of its own, so "the softmax model needs N steps to match" compares real N-step runs), plus
-five times chapter 8's budget, 2000 steps, at the two lower learning rates. A cell's result is
-the validation loss (overall and per position of the window) and the training curve.
-"""
+"""Chapter 8's language models at tuned learning rates, three seeds and several budgets."""
 from __future__ import annotations
 
 from . import _lm

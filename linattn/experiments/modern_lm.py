@@ -1,15 +1,4 @@
-"""Chapter 8's language model, four layers deep, with the mixers of today's models.
-
-Tiny Shakespeare, windows of 128 characters, batches of 32, d_model 64, 4 heads, 4 layers, the
-recipe of :mod:`linattn.experiments._lm`. Four models at (nearly) equal parameters and budget:
-chapter 8's linear attention (elu+1, with the positions the ``positions`` study chose), softmax
-attention with RoPE, the gated delta rule (:class:`linattn.LinearMixer`, its short convolution,
-L2-normalised q and k, output norm and gate, no positions) and a 3:1 hybrid (three gated-delta
-layers, then one softmax layer with RoPE). Phase ``modern_lm_sweep``: each model at three
-learning rates (seed 0). Phase ``modern_lm``: each at its best rate with three seeds, one seed
-at five times the budget, and one short cell for the chapter to re-run. A cell's result is the
-validation loss overall and per position of the window, and the parameter count.
-"""
+"""Chapter 8's language model, four layers deep, with the mixers of today's models."""
 from __future__ import annotations
 
 from . import _lm, load_results

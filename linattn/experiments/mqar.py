@@ -1,18 +1,4 @@
-"""Recall capacity on MQAR: feature maps and update rules at several state sizes (chapters 7 and 9).
-
-The task is a *simplified* multi-query associative recall (Arora et al., 2023, Zoology): the
-head's key at position ``t`` is computed from token ``t − 1``, hard-wired (see
-:mod:`linattn.experiments.recall`). The vocabulary has 256 keys and 256 values, four times the
-largest number of pairs ``N = 64``, so that ``N > M`` can be tested for every feature map. Each
-model is a one-head :class:`~linattn.experiments.recall.RecallModel` with values of
-``Dv = 16``; the key size ``D`` and the feature map set ``M`` and so the state,
-``M·(Dv + 1)`` numbers (normalised linear attention) or ``M·Dv`` (the unnormalised update
-rules). Training: 2000 Adam steps on batches of 64 fresh sequences cycling through
-``N = 4, 8, 16, 32, 64`` (constant learning rate after 100 warm-up steps; accuracy is also
-recorded after 500 and 1000 steps), then 256 test sequences per ``N``. Every model at three
-learning rates for seed 0; the models at ``D = 16`` (and the smaller Taylor and DPFP maps)
-also for seeds 1 and 2 at all three, so their points carry error bars.
-"""
+"""Recall capacity on MQAR: feature maps and update rules at several state sizes (chapters 7 and 9)."""
 from __future__ import annotations
 
 from . import recall

@@ -1,12 +1,4 @@
-"""Which positions should a model with linear layers use? Chapter 8's model with each scheme.
-
-Chapter 8's character model (2 layers, d_model 64, 4 heads, tiny Shakespeare, windows of 128,
-batches of 32) with linear attention (elu+1) and positions ``"learned"`` (a table of 128),
-``"rope"`` (as RoFormer applies it to linear attention: rotated in the numerator only) or
-``"none"``. Every scheme at three learning rates and three seeds for chapter 8's budget of 400
-steps, and, as a check that the ranking holds, five times that budget at one learning rate and
-seed. (Softmax layers take RoPE, the standard choice; the grid is sized for a 2-core machine.) The result of a cell is the validation loss (overall and per position).
-"""
+"""Which positions should a model with linear layers use? Chapter 8's model with each scheme."""
 from __future__ import annotations
 
 from . import _lm

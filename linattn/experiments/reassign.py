@@ -1,14 +1,4 @@
-"""Recall of the latest value when keys are reassigned (chapter 9): which update rules can overwrite.
-
-A sequence makes ``n_writes`` writes ``k v`` with only 8 distinct keys (the first 8 writes use
-each key once, the rest pick keys at random), then asks for each key; the answer is the value
-written last (:func:`~linattn.experiments.recall.reassigned_key_recall`). The heads are
-chapter 9's (``D = Dv = 16``, keys from the previous token): softmax attention without
-positions, softmax with RoPE (which can tell a later write from an earlier one), plain
-unnormalised linear attention, retention (``γ = 1 − 2⁻⁵``), GLA and the delta rule. Each at
-three learning rates and three seeds, 2000 Adam steps on batches of 64 cycling through
-``n_writes = 8, 16, 32, 64`` (accuracy also after 500 and 1000 steps); 256 test sequences per size.
-"""
+"""Recall of the latest value when keys are reassigned (chapter 9): which update rules can overwrite."""
 from __future__ import annotations
 
 from . import mqar, recall

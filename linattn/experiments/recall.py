@@ -1,28 +1,4 @@
-"""One-layer recall models, their training loop and evaluation: what the recall studies share.
-
-The model of chapters 7 and 9 (:class:`RecallModel`): an embedding, **one** attention head and
-a linear read-out. The head's key at position ``t`` is computed from the token at ``t − 1``
-(hard-wired, the shortest convolution there is), so on multi-query associative recall the
-head only has to find, for the query ``k_i``, the position right after the earlier ``k_i``,
-where ``v_i`` sits. This is a *simplified* MQAR (Arora et al., 2023, Zoology): Zoology's
-models must learn that shift themselves (chapter 10 trains models that do).
-
-The head (``mixer``) is one of
-
-- ``"softmax"``: causal softmax attention, no positions; ``"softmax_rope"``: the same with
-  RoPE on ``q`` and ``k`` (:func:`linattn.positions.apply_rope`);
-- ``"linear"``: causal linear attention with a feature map φ (``feature_map``), normalised
-  (chapter 7), or with ``normalize=False`` unnormalised, optionally followed by a per-head
-  RMS norm (``output_norm=True``);
-- ``"retention"`` (fixed ``γ``), ``"gla"`` (a gate per key channel from a learned
-  ``d_model → D`` map, ``log g = logsigmoid(·)/16``) and ``"delta"`` (L2-normalised ``q``,
-  ``k``, ``β = sigmoid(·)``): chapter 9's update rules, unnormalised, ``q`` and ``k`` used as
-  they are (``feature_map`` must be None), optionally followed by the output norm.
-
-A run is described by a JSON-serialisable dict (a grid cell of a study):
-:func:`train_and_evaluate` builds the model, trains it with Adam on fresh batches, evaluates
-it on fixed test sets, and returns accuracies, the training loss and the state size.
-"""
+"""One-layer recall models, their training loop and evaluation: what the recall studies share."""
 from __future__ import annotations
 
 import math
@@ -37,8 +13,8 @@ from ..attention import linear_attention, softmax_attention
 from ..ops.delta import delta_rule
 from ..ops.gla import gated_linear_attention
 from ..ops.retention import retention
-from ..positions import apply_rope
-from ..tasks import IGNORE_INDEX, multi_query_associative_recall, recall_accuracy, recall_vocab
+from ..layers.positions import apply_rope
+from ..data import IGNORE_INDEX, multi_query_associative_recall, recall_accuracy, recall_vocab
 
 __all__ = ["MIXERS", "RecallModel", "make_feature_map", "state_floats", "train_and_evaluate",
            "reassigned_key_recall", "TAU"]
@@ -169,12 +145,7 @@ class RecallModel(nn.Module):
 
 def reassigned_key_recall(n: int, num_writes: int, *, num_keys: int = 8, vocab_size: int = 129,
                           generator: Optional[torch.Generator] = None):
-    """Writes ``k v`` with only ``num_keys`` distinct keys, then each key asked: the answer is its latest value.
-
-    The first ``num_keys`` writes use every key once (every question has an answer), the rest
-    pick keys at random. Returns ``(inputs, targets)`` of shape ``(n, 2·num_writes + num_keys)``;
-    targets are :data:`~linattn.tasks.IGNORE_INDEX` except at the queries.
-    """
+    """Writes ``k v`` with only ``num_keys`` distinct keys, then each key asked: the answer is its latest value."""
     keys_range, values_range = recall_vocab(vocab_size)
     if num_writes < num_keys:
         raise ValueError(f"num_writes must be >= num_keys={num_keys}, got {num_writes}")
@@ -211,15 +182,7 @@ def build_model(cell: dict) -> RecallModel:
 
 
 def train_model(cell: dict, *, checkpoints=()):
-    """Train the model of ``cell``; returns ``(model, losses, snapshots)``.
-
-    ``cell`` holds ``mixer``, ``vocab_size``, ``task`` ("mqar" or "reassign"), ``train_sizes``
-    (cycled), ``steps``, ``lr``, ``batch``, ``seed`` and the model's options. Adam, a constant
-    learning rate after a linear warm-up of :data:`WARMUP` steps, gradient norm clipped at 1.
-    ``snapshots`` maps each step in ``checkpoints`` to the evaluation at that step. Since the
-    schedule does not depend on ``steps``, the model at checkpoint ``s`` *is* the model of a
-    run of ``s`` steps: one long run gives the whole budget curve.
-    """
+    """Train the model of ``cell``; returns ``(model, losses, snapshots)``."""
     model = build_model(cell)
     make = _task(cell["task"], cell["vocab_size"])
     steps, sizes = cell["steps"], cell["train_sizes"]
@@ -260,12 +223,7 @@ def evaluate(model: RecallModel, cell: dict) -> list[float]:
 
 
 def train_and_evaluate(cell: dict, checkpoints=()) -> dict:
-    """Train and evaluate one grid cell; a JSON-serialisable result.
-
-    Returns ``accuracy`` (one per test size), ``final_loss`` (mean of the last 5 % of the
-    training losses), ``diverged`` (a non-finite loss), ``state_floats`` at the largest test
-    size, and ``at_step`` (the accuracies at each checkpoint) if checkpoints were given.
-    """
+    """Train and evaluate one grid cell; a JSON-serialisable result."""
     model, losses, snapshots = train_model(cell, checkpoints=checkpoints)
     tail = losses[-max(1, len(losses) // 20):]
     finite = all(math.isfinite(x) for x in losses)

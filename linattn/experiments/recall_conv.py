@@ -1,12 +1,4 @@
-"""Does a short convolution let a linear model find the key itself? Recall with and without it.
-
-Two-layer models (d_model 64, 4 heads) trained on multi-query associative recall in which
-nothing hands the model the previous token (see :mod:`linattn.experiments._recall`): the gated
-delta rule with its short causal convolution (kernel 4), the same without it, and softmax
-attention with RoPE. Phase ``recall_conv_sweep``: each model at three learning rates (seed 0).
-Phase ``recall_conv``: each at its best learning rate, three seeds, and one seed at five times
-the budget (is the ranking a budget artefact?). The second reads the first's results file.
-"""
+"""Does a short convolution let a linear model find the key itself? Recall with and without it."""
 from __future__ import annotations
 
 from . import _recall, load_results

@@ -1,15 +1,4 @@
-"""How to pass the state between ranks (chapter 12): all-gather, chain or exclusive scan, timed on gloo.
-
-For ``P`` CPU processes (gloo on 127.0.0.1, one thread each) the three values of
-``state_exchange`` of :func:`linattn.distributed.sequence_parallel_linear_attention` are timed
-in interleaved blocks (all three, then all three again, ``blocks`` times), so that a slow
-spell of a shared machine hits all three alike: the exchange of the state alone (``T = 65536``,
-``B = 1``, ``H = 2``, ``D = Dv = 16``, float32; 25 calls per block) and a whole forward plus
-backward pass at ``T = 16384`` (5 calls per block). A call's time is the slowest rank's; a
-block's time is the median of its calls. The bytes each rank sends (deterministic) come with
-them, the load average of the machine before and after, since the timings depend on what
-else runs, and the seeds of every rank's inputs. The first cell is a short one, for a notebook to re-run.
-"""
+"""How to pass the state between ranks (chapter 12): all-gather, chain or exclusive scan, timed on gloo."""
 from __future__ import annotations
 
 import os

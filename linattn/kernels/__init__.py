@@ -1,19 +1,4 @@
-"""Optional fused kernels, each with a pure-PyTorch twin that is its test oracle.
-
-=================================  ====================================================
-fast path                          twin (reference)
-=================================  ====================================================
-``chunk_linear_attention_triton``  :func:`linattn.ops.linear.chunk_linear_attention`
-  (GPU, Triton)
-``causal_linear_attention_cpu``    :func:`linattn.ops.linear.chunkwise_linear_attention`
-  (CPU, C++ built on first use)
-=================================  ====================================================
-
-Importing this package never imports Triton and never compiles anything: ``import linattn``
-works without either. Triton is imported on first use of its kernel, or by
-:func:`triton_available`; the CPU kernel (:mod:`linattn.kernels.cpu`) is built by the system's
-C++ compiler on its first use, or by :func:`linattn.kernels.cpu.cpu_kernel_available`.
-"""
+"""Optional fused kernels, each with a pure-PyTorch twin that is its test oracle."""
 from __future__ import annotations
 
 import importlib
@@ -23,29 +8,11 @@ import torch
 
 __all__ = ["triton_available", "chunk_linear_attention_triton", "causal_linear_attention_cpu"]
 
-# The compiled CPU kernels run on PyTorch's OpenMP threads, which do not survive fork(): a forked
-# child that loaded them would wait for the parent's threads for ever. ``import linattn`` imports
-# this package, so the mark is set in every child forked after it; linattn.kernels.cpu then starts
-# threads of its own there (a library loaded before the fork is switched by its pthread_atfork
-# handler instead).
-_forked = False
-
-
-def _mark_forked() -> None:
-    global _forked
-    _forked = True
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_mark_forked)
+from . import _fork  # noqa: F401 (marks forked children for the CPU kernels)
 
 
 def triton_available() -> bool:
     """Whether the Triton kernels can run here.
-
-    True when Triton imports and either CUDA is present or ``TRITON_INTERPRET=1`` is set
-    (Triton's interpreter runs the kernels on the CPU with NumPy: exact but slow, meant
-    for tests).
 
     Returns
     -------
@@ -61,7 +28,7 @@ def triton_available() -> bool:
 def __getattr__(name: str):
     # Lazy re-export: ``linattn.kernels.chunk_linear_attention_triton`` imports Triton only here.
     if name == "chunk_linear_attention_triton":
-        from .triton_chunk import chunk_linear_attention_triton
+        from .triton.chunk import chunk_linear_attention_triton
 
         return chunk_linear_attention_triton
     if name == "causal_linear_attention_cpu":

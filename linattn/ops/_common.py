@@ -1,7 +1,4 @@
-"""The pieces the operator families share (private): validation, chunking, the scan, range sums.
-
-See :mod:`linattn.ops` for the families and the ideas their chunk forms share.
-"""
+"""The pieces the operator families share (private): validation, chunking, the scan, range sums."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Union
@@ -10,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, backends
 from .._numerics import CausalPoison, all_finite, compiling, no_autocast
 from ..feature_maps import resolve_feature_map
 
-METHODS = ("auto", "chunk", "recurrent")
+DECAY_METHODS = ("auto", "chunk", "recurrent")
 
 Result = Union[Tensor, tuple[Tensor, Tensor]]
 
@@ -33,7 +30,7 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     p = Prepared()
     p.return_state = _checks.check_bool(return_state, "return_state")
     p.chunk_size = _checks.check_chunk_size(chunk_size)
-    p.method = resolve_method(method)
+    p.method = resolve_decay_method(method)
     p.acc = _checks.accumulation_dtype(q.dtype)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
@@ -46,12 +43,12 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     return p
 
 
-def resolve_method(method) -> str:
+def resolve_decay_method(method) -> str:
     if not isinstance(method, str):
         raise TypeError(f"method must be a str, got {_checks.type_name(method)}")
     name = method.strip().lower()
-    if name not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
+    if name not in DECAY_METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(map(repr, DECAY_METHODS))}")
     return "chunk" if name == "auto" else name
 
 
@@ -96,17 +93,9 @@ def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor
 
 def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
         chunk: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The chosen algorithm; the chunk form ``chunk(q, k, v) -> (out, S)`` keeps non-finite values causal.
-
-    A NaN or infinity in a later value or key of a chunk would reach the earlier rows through
-    the zeros of the chunk's causal masks (``0 · NaN = NaN``); it also makes the final state
-    non-finite. So the chunk form runs as usual, and only if its final state is not finite
-    again on sanitised inputs, whose outputs and state then get NaN exactly where they depend on
-    a non-finite input (:class:`linattn._numerics.CausalPoison`): the positions before the first
-    non-finite input get bit for bit the outputs of finite inputs. Under ``torch.compile``, which
-    cannot branch on the check, the sanitised computation always runs.
-    """
+    """The chosen algorithm; the chunk form ``chunk(q, k, v) -> (out, S)`` keeps non-finite values causal."""
     if p.method == "recurrent":
+        backends._record("torch")
         return recurrent()
     if not compiling():
         out, S = chunk(p.q, p.k, p.v)
@@ -118,11 +107,12 @@ def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
         # Finite inputs whose chunk form overflowed (a diverging recurrence, e.g. the delta rule
         # with unnormalised keys): an infinity in a later row would reach earlier rows through the
         # zeros of the causal masks, so the token loop, causal by construction, gives the answer.
+        backends._record("torch")
         return recurrent()
     return poison.outputs(out), poison.state(S)
 
 
-def finish(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: bool) -> Result:
+def output_and_state(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: bool) -> Result:
     """The output in the input dtype, and the state (contiguous, memory of its own) if asked for."""
     out = out.to(dtype)
     return (out, S.contiguous()) if return_state else out
@@ -160,12 +150,7 @@ def from_chunks(x: Tensor, T: int) -> Tensor:
 
 
 def scan(S0: Tensor, step: Callable[..., Tensor], *per_chunk: Tensor) -> tuple[Tensor, Tensor]:
-    """States before each chunk (B, H, N, Dk, Dv) and after the last, by ``S <- step(S, *x[:, :, n])``.
-
-    The per-chunk tensors ``(B, H, N, ...)`` are split with ``unbind`` once: indexing
-    ``x[:, :, n]`` inside the loop would make autograd write a zero tensor of ``x``'s full
-    size for every chunk in the backward pass (``T/C`` times the size of ``x``).
-    """
+    """States before each chunk (B, H, N, Dk, Dv) and after the last, by ``S <- step(S, *x[:, :, n])``."""
     S, before = S0, []
     for xs in zip(*(x.unbind(2) for x in per_chunk)):
         before.append(S)
@@ -178,32 +163,10 @@ def num_chunks(T: int, chunk_size: int) -> tuple[int, int]:
     return C, -(-T // C)
 
 
-# The gated chunk forms clamp log-gates from below at this value before using them. Without
-# the clamp, float32 sums of accepted log-gates such as -1e38 overflow to -inf (the scalar
-# gates' range sums), and -inf · 0 = NaN in a masked product. Why -1000:
-# - exp(-1000) is exactly 0 in float32 (exp underflows to 0 below about -103.97, subnormals
-#   included) and in float64 (below about -745.13), the two dtypes the chunk forms compute in.
-#   Every factor is exp of a sum of non-positive log-gates, or a product of such exps, and
-#   rounding is monotone, so a range that holds a clamped entry has the factor exactly 0
-#   with or without the clamp. The result is bit-identical to the unclamped computation whenever
-#   that one did not overflow, i.e. for every realistic input.
-# - A sum of C entries >= -1000 is >= -1000·C, finite in float32 for any C < 3.4e35: no
-#   chunk length can overflow it.
-# - Below the clamp the gradient of log_g is exactly 0 (clamp passes none), as it is in the
-#   recurrent form, where d exp(log_g)/d log_g = exp(log_g) underflows to 0 as well.
-LOG_G_FLOOR = -1000.0
+GROUP_NUMBERS = 1 << 17
 
 
-def differentiable_backward(forward, inputs, d_out, d_S):
-    """The backward pass of ``forward(*inputs) -> (out, S)`` as autograd's graph, so that it can be differentiated again."""
-    leaves = [None if x is None else (x if x.requires_grad else x.detach().requires_grad_()) for x in inputs]
-    with torch.enable_grad():
-        out, S = forward(*leaves)
-    present = [i for i, x in enumerate(leaves) if x is not None]
-    grads_out = [g for g in (d_out, d_S) if g is not None]
-    outs = [o for o, g in zip((out, S), (d_out, d_S)) if g is not None]
-    grads = torch.autograd.grad(outs, [leaves[i] for i in present], grads_out, create_graph=True, allow_unused=True)
-    result = [None] * len(leaves)
-    for i, grad in zip(present, grads):
-        result[i] = torch.zeros_like(leaves[i]) if grad is None else grad
-    return tuple(result)
+def groups(n: int, per_item: int) -> list[slice]:
+    """Slices of ``range(n)`` holding about ``GROUP_NUMBERS`` numbers of ``per_item`` each."""
+    size = max(1, GROUP_NUMBERS // per_item)
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]

@@ -1,0 +1,20 @@
+"""Sequence parallelism over ``torch.distributed``: each rank holds a contiguous slice of the sequence."""
+from .agreement import AUTO_STATE_EXCHANGE, AUTO_STATE_EXCHANGE_DEFAULT, STATE_EXCHANGES
+from .comm import ByteCounter, count_bytes
+from .launch import RankError, run_on_ranks
+from .measure import measure_sequence_parallel
+from .ring import ring_softmax_attention
+from .sequence_parallel import local_state, sequence_parallel_linear_attention
+
+__all__ = [
+    "STATE_EXCHANGES",
+    "AUTO_STATE_EXCHANGE",
+    "sequence_parallel_linear_attention",
+    "local_state",
+    "ring_softmax_attention",
+    "ByteCounter",
+    "count_bytes",
+    "RankError",
+    "run_on_ranks",
+    "measure_sequence_parallel",
+]

@@ -1,0 +1,121 @@
+"""Elementwise feature maps with no target kernel: elu+1, ReLU, squared ReLU."""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._checks import check_floating
+
+__all__ = ['elu_plus_one', 'relu', 'squared_relu']
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    """φ(x) = elu(x) + 1, the feature map of "Transformers are RNNs".
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``(0, inf)`` until
+        ``exp(x)`` underflows (``x < -103`` in float32): ``exp(x)`` is computed directly,
+        never as ``elu(x) + 1``, whose ``-1 + 1`` cancels to exactly 0 from ``x ≈ -17``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    check_floating(x, "x")
+    if torch._C._are_functorch_transforms_active():
+        return _EluPlusOneWithJvp.apply(x)
+    if not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling():
+        return _EluPlusOne.forward(x)                 # nothing to differentiate: the same arithmetic, no Function
+    return _EluPlusOne.apply(x)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        (x,) = inputs
+        ctx.save_for_backward(x, output)
+        ctx.save_for_forward(x, output)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        x, y = ctx.saved_tensors
+        # dφ/dx = 1 for x > 0 and e^x = φ(x) for x <= 0. Written with the saved output,
+        # this backward is itself differentiable (second derivatives work).
+        return torch.where(x > 0, grad, grad * y)
+
+
+
+class _EluPlusOneWithJvp(_EluPlusOne):
+    """:class:`_EluPlusOne` with its forward-mode rule: used only under ``torch.func`` transforms
+    (``torch.compile`` cannot trace a Function with ``jvp`` when gradients are needed)."""
+
+    @staticmethod
+    def jvp(ctx, tangent: Tensor) -> Tensor:
+        x, y = ctx.saved_tensors
+        return torch.where(x > 0, tangent, tangent * y)
+
+
+def relu(x: Tensor) -> Tensor:
+    """φ(x) = max(x, 0), the ReLU feature map (used e.g. by cosFormer, Qin et al. 2022, eq. 7).
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``[0, inf)``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    check_floating(x, "x")
+    return F.relu(x)
+
+
+def squared_relu(x: Tensor) -> Tensor:
+    """φ(x) = max(x, 0)², elementwise.
+
+    Parameters
+    ----------
+    x : Tensor
+        Floating tensor of shape ``(..., D)``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``x`` (``M = D``), every entry in ``[0, inf)``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a floating-point tensor.
+    """
+    check_floating(x, "x")
+    return F.relu(x).square()
+
+
+# linattn's own elementwise maps keep shape, dtype and device: the attention functions skip checking their output.
+elu_plus_one.keeps_shape = relu.keeps_shape = squared_relu.keeps_shape = True

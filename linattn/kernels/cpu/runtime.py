@@ -1,0 +1,172 @@
+"""Loading the CPU kernels' library and calling it: its C signatures, OpenMP threads, buffers."""
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import subprocess
+import threading
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _fork
+from . import build
+
+__all__ = ["cpu_kernel_enabled", "cpu_kernel_available", "build_info", "warn_unavailable_once", "token_loop_supports"]
+
+_BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC", "-pthread"]
+_NATIVE = ["-march=native"]
+_VECTOR_BYTES = 64
+_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+
+_lock = threading.Lock()
+_state: dict = {}          # "lib": the loaded library, "info": how it was built, "error": why not
+
+def cpu_kernel_enabled() -> bool:
+    """Whether ``LINATTN_CPU_KERNEL=1`` asks :func:`linattn.linear_attention` to use this path."""
+    return os.environ.get("LINATTN_CPU_KERNEL", "0") == "1"
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the compiled CPU path can run here (building it now if it was not built yet).
+
+    Returns
+    -------
+    bool
+        False when no C++ compiler is found or the build fails (:func:`build_info` says why).
+    """
+    return _library() is not None
+
+
+def build_info() -> dict:
+    """How the library was built: ``compiler``, ``flags``, ``path``, or ``error`` (after a build attempt)."""
+    _library()
+    return dict(_state.get("info") or {"error": _state.get("error")})
+
+
+def _declare(lib) -> None:
+    """Give the library's functions their C signatures (AttributeError: a symbol is missing)."""
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for suffix, real in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+        signatures = {                   # name: (result, arguments); the last two ints: a flag and the threads
+            "causal_pass": (c_int, [p] * 8 + [real] + [p] * 3 + [i64] * 5 + [c_int, c_int]),
+            "elu_grad": (None, [p, p, i64]),
+            "delta_forward": (c_int, [p] * 8 + [i64] * 5 + [c_int, c_int]),
+            "delta_backward": (c_int, [p] * 13 + [i64] * 5 + [c_int, c_int]),
+            "decay_forward": (c_int, [p] * 7 + [i64] * 5 + [c_int, c_int]),
+            "decay_backward": (c_int, [p] * 11 + [i64] * 5 + [c_int, c_int]),
+        }
+        for name, (result, arguments) in signatures.items():
+            fn = getattr(lib, f"linattn_{name}_{suffix}")
+            fn.restype, fn.argtypes = result, arguments
+    lib.linattn_vector_bytes.restype = c_int
+    lib.linattn_set_openmp.restype = None
+    lib.linattn_set_openmp.argtypes = [p, p, p]
+
+
+def _open(compiler: str, flags: list[str]):
+    """Build (or find in the cache) and load the library; a cached file that does not load is rebuilt once."""
+    for attempt in (0, 1):
+        path = build.build(compiler, flags, _state)
+        try:
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            return lib
+        except (OSError, AttributeError):
+            if attempt:
+                raise
+            for stale in (path, build.digest_path(path)):    # never written over: another process may have it mapped
+                stale.unlink(missing_ok=True)
+
+
+def _library():
+    """The loaded library, or None (why: ``_state["error"]``). Built at most once per process."""
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib, errors = None, []
+        compiler = build.compiler()
+        if compiler is None:
+            cxx = os.environ.get("CXX")
+            errors.append(f"CXX={cxx!r} names no C++ compiler executable (one program, without flags)" if cxx
+                          else "no C++ compiler found (set CXX)")
+        else:
+            for flags in (_BASE_FLAGS + _NATIVE, _BASE_FLAGS):
+                try:
+                    lib = _open(compiler, flags)
+                    break
+                except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
+                    errors.append(f"{' '.join(flags)}: {err}")
+        if lib is not None:
+            if lib.linattn_vector_bytes() != _VECTOR_BYTES:
+                lib, errors = None, ["library and module disagree on the vector length"]
+            else:
+                runtime = None if _fork.forked else _torch_openmp()     # a forked child: threads of our own
+                lib.linattn_set_openmp(*(runtime or (None, None, None)))
+                _state["openmp"] = runtime is not None
+        _state["error"] = "; ".join(errors) if lib is None else None
+        _state["lib"] = lib
+        return lib
+
+
+def _torch_openmp() -> Optional[tuple[int, int, int]]:
+    """``GOMP_parallel``, ``omp_get_thread_num``, ``omp_get_num_threads`` of the OpenMP runtime PyTorch loaded."""
+    try:
+        maps = pathlib.Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    own = os.path.dirname(torch.__file__)
+    paths = sorted({line.split(None, 5)[-1].strip() for line in maps.splitlines() if len(line.split(None, 5)) == 6},
+                   key=lambda path: (not path.startswith(own), path))          # torch's own runtime first
+    for path in paths:
+        name = os.path.basename(path)
+        if not name.startswith(("libgomp", "libiomp5", "libomp")) or ".so" not in name:
+            continue
+        try:
+            omp = ctypes.CDLL(path)          # already loaded: the same handle, the same threads
+            fns = (omp.GOMP_parallel, omp.omp_get_thread_num, omp.omp_get_num_threads)
+        except (OSError, AttributeError):
+            continue
+        return tuple(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns)
+    return None
+
+
+def _ptr(t: Optional[Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _pad_to_vector(x: Tensor) -> Tensor:
+    """Contiguous ``x`` with its last dimension zero-padded to a whole number of 64-byte vectors."""
+    lanes = _VECTOR_BYTES // x.element_size()
+    extra = -x.shape[-1] % lanes
+    return (F.pad(x, (0, extra)) if extra else x).contiguous()
+
+
+def warn_unavailable_once() -> None:
+    """A RuntimeWarning, once per process, when ``LINATTN_CPU_KERNEL=1`` asks for an unavailable kernel."""
+    if not _state.get("warned"):
+        _state["warned"] = True
+        warnings.warn(f"LINATTN_CPU_KERNEL=1 but the linattn CPU kernel is not available "
+                      f"({_state.get('error')}); using the PyTorch path", RuntimeWarning, stacklevel=5)
+
+
+def _check_status(status: int) -> None:
+    """A MemoryError for a kernel's status 3 (its threads or buffers could not be allocated), else a RuntimeError."""
+    if status == 3:
+        raise MemoryError("linattn CPU kernel: its threads or work buffers could not be allocated")
+    if status != 0:
+        raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
+
+
+_MAX_VECTORS = 16            # MAXV of cpu_delta.cpp
+
+
+def token_loop_supports(v: Tensor) -> bool:
+    """Whether the token loops of :mod:`.recurrent` take values of ``v``'s width (rows of 16 vectors at most)."""
+    return v.shape[-1] <= _MAX_VECTORS * (_VECTOR_BYTES // v.element_size())

@@ -1,0 +1,84 @@
+"""A causal depthwise convolution over the sequence, with a decoding state (H3, Fu et al., 2023)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _checks
+
+__all__ = ["ShortConvolution"]
+
+
+class ShortConvolution(nn.Module):
+    """A causal depthwise convolution over the sequence, with a decoding state.
+
+    Parameters
+    ----------
+    channels : int
+        ``C``.
+    kernel_size : int
+        ``K >= 2`` (4 in Mamba, Gated DeltaNet and Kimi Linear).
+
+    Raises
+    ------
+    TypeError
+        A size that is not an int.
+    ValueError
+        ``channels < 1`` or ``kernel_size < 2``.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4) -> None:
+        super().__init__()
+        self.channels = _checks.check_positive_int(channels, "channels")
+        self.kernel_size = _checks.check_positive_int(kernel_size, "kernel_size")
+        if self.kernel_size < 2:
+            raise ValueError(f"kernel_size must be >= 2 (kernel_size 1 mixes no tokens), got {kernel_size}")
+        self.weight = nn.Parameter(torch.empty(self.channels, 1, self.kernel_size))   # as nn.Conv1d, groups=C
+        bound = 1.0 / math.sqrt(self.kernel_size)                         # nn.Conv1d's default init
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, kernel_size={self.kernel_size}"
+
+    def forward(self, u: Tensor, attention_mask: Optional[Tensor] = None,
+                state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """Convolve ``u`` causally, continuing from ``state``.
+
+        Parameters
+        ----------
+        u : Tensor
+            ``(B, T, C)`` floating point.
+        attention_mask : Tensor, optional
+            ``(B, T)`` bool, True for real tokens (already checked by the caller).
+        state : Tensor, optional
+            ``(B, C, K − 1)``: the inputs before ``u`` (oldest first); zeros if None.
+
+        Returns
+        -------
+        y : Tensor
+            ``(B, T, C)``, dtype of ``u`` (meaningless at padded positions).
+        state : Tensor
+            ``(B, C, K − 1)``, the last ``K − 1`` real inputs (with the old state before them
+            when there are fewer), dtype of ``u``, new memory.
+        """
+        B, T, C = u.shape
+        K = self.kernel_size
+        prefix = u.new_zeros(B, C, K - 1) if state is None else state.to(u.dtype)
+        if attention_mask is None:
+            ext = torch.cat([prefix, u.transpose(1, 2)], dim=2)           # (B, C, K − 1 + T)
+            y = F.conv1d(ext, self.weight.to(u.dtype), groups=C)          # (B, C, T)
+            return y.transpose(1, 2), ext[:, :, T:].clone(memory_format=torch.contiguous_format)
+        # Move each row's real tokens to the front, in order; convolve; put them back.
+        order = torch.sort((~attention_mask).to(torch.int32), dim=1, stable=True).indices  # (B, T)
+        compact = u.masked_fill(~attention_mask[..., None], 0.0).gather(1, order[..., None].expand(B, T, C))
+        ext = torch.cat([prefix, compact.transpose(1, 2)], dim=2)         # (B, C, K − 1 + T)
+        y = F.conv1d(ext, self.weight.to(u.dtype), groups=C)              # (B, C, T), real tokens first
+        y = y.gather(2, order.argsort(dim=1)[:, None, :].expand(B, C, T))  # back to the input order
+        n_real = attention_mask.sum(dim=1)                                # (B,)
+        last = n_real[:, None] + torch.arange(K - 1, device=u.device)     # (B, K − 1): ext columns
+        return y.transpose(1, 2), ext.gather(2, last[:, None, :].expand(B, C, K - 1))

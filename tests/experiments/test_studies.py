@@ -1,0 +1,96 @@
+"""linattn.experiments: studies write results with their provenance; one cell re-runs to the cached value."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from linattn import experiments
+
+
+@pytest.fixture
+def toy():
+    experiments.register("toy", "studies.toy_study")
+    yield "toy"
+    experiments.STUDIES.pop("toy", None)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_study_writes_its_results_with_provenance(toy, tmp_path, workers):
+    out = tmp_path / "toy.json"
+    doc = experiments.run_study(toy, workers=workers, out=out, progress=None)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(doc))
+    assert [r["cell"] for r in saved["rows"]] == [{"seed": s, "n": n} for s in (0, 1) for n in (3, 5)]
+    assert all(r["result"]["threads"] == 1 for r in saved["rows"])             # one thread per cell
+    prov = saved["provenance"]
+    assert prov["torch"] == torch.__version__ and prov["threads_per_worker"] == 1 and prov["cpu"]
+    assert saved["command"].startswith("python -m linattn.experiments toy") and saved["summary"] == {"cells": 4}
+    assert saved["grid_size"] == 4 and saved["started"] and saved["elapsed_s"] >= 0
+
+
+def test_one_cell_reproduces_the_cached_value(toy, tmp_path):
+    doc = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
+    threads = torch.get_num_threads()
+    cached, fresh = experiments.check_cell(experiments.load_results(tmp_path / "toy.json"), 3)
+    assert cached == fresh and torch.get_num_threads() == threads
+
+
+def test_a_partial_run_writes_nothing_unless_asked(toy, tmp_path, monkeypatch):
+    monkeypatch.setattr(experiments, "results_path", lambda name: tmp_path / f"{name}.json")
+    doc = experiments.run_study(toy, cells=[1], progress=None)
+    assert [r["cell"] for r in doc["rows"]] == [{"seed": 0, "n": 5}] and not (tmp_path / "toy.json").exists()
+
+
+def test_errors_name_what_is_wrong(toy, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown study 'nope'; known studies: .*toy"):
+        experiments.run_study("nope")
+    with pytest.raises(ValueError, match=r"cell index 9 is out of range for study 'toy' with 4 cells"):
+        experiments.run_study(toy, cells=[9])
+    with pytest.raises(ValueError, match=r"workers must be an int >= 1"):
+        experiments.run_study(toy, workers=0)
+    with pytest.raises(FileNotFoundError, match=rf"run: python -m linattn.experiments {toy}"):
+        experiments.load_results(tmp_path / f"{toy}.json")
+    with pytest.raises(FileNotFoundError, match=r"'missing' is not a study of linattn.experiments"):
+        experiments.load_results(tmp_path / "missing.json")
+
+
+def test_the_command_line_lists_the_studies():
+    out = subprocess.run([sys.executable, "-m", "linattn.experiments"], capture_output=True, text=True, check=True)
+    for name in experiments.STUDIES:
+        assert name in out.stdout
+
+
+def test_a_second_phase_reuses_identical_cells_of_the_first(toy, tmp_path, monkeypatch):
+    first = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
+    mod = experiments.study(toy)
+    monkeypatch.setattr(mod, "REUSE_FROM", str(tmp_path / "toy.json"), raising=False)
+    monkeypatch.setattr(mod, "grid", lambda: [{"seed": 1, "n": 5}, {"seed": 7, "n": 3}])
+    ran = []
+    real = mod.run_cell
+    monkeypatch.setattr(mod, "run_cell", lambda cell: ran.append(cell) or real(cell))
+    second = experiments.run_study(toy, out=tmp_path / "toy2.json", progress=None)
+    assert ran == [{"seed": 7, "n": 3}]                                   # only the new cell trained
+    reused, new = second["rows"]
+    assert reused["result"] == first["rows"][3]["result"] and reused["reused_from"]["study"].endswith("toy.json")
+    assert "reused_from" not in new and new["cell"] == {"seed": 7, "n": 3}
+    assert new["result"] == real({"seed": 7, "n": 3})
+
+
+def test_provenance_is_taken_when_the_cells_start(toy, tmp_path, monkeypatch):
+    commits = iter(["aaa", "bbb"])
+    monkeypatch.setattr(experiments.origin, "git_commit", lambda: next(commits))
+    doc = experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
+    assert doc["provenance"]["commit"] == "aaa" and doc["provenance"]["commit_at_end"] == "bbb"
+
+
+def test_load_results_names_the_command_only_for_a_registered_study(tmp_path):
+    import pytest
+    from linattn import experiments
+    with pytest.raises(FileNotFoundError, match="run: python -m linattn.experiments positions"):
+        experiments.load_results(tmp_path / "positions.json")
+    with pytest.raises(FileNotFoundError, match="'ft_side_by_side' is not a study"):
+        experiments.load_results(tmp_path / "ft_side_by_side.json")
