@@ -144,7 +144,7 @@ def test_off_by_default_and_for_other_dtypes_or_widths(calls, monkeypatch):
     _run("gla", half, "chunk")                                      # bfloat16 computes in float32: the kernel
     assert calls == [(1, 2, 20, 4)]
     wide = _inputs("retention", 1, 1, 8, 2, 257, seed=0, dtype=torch.float32)
-    _run("retention", wide, "chunk")                                # rows of more than 16 vectors: PyTorch's path
+    _run("retention", wide, "chunk")                                # rows wider than 1 KiB (256 float32): PyTorch's path
     assert len(calls) == 1
 
 

@@ -124,7 +124,7 @@ def test_off_by_default_and_for_other_devices_or_dtypes(calls, monkeypatch):
     _run(half, "chunk")                                             # bfloat16 computes in float32: the kernel
     assert calls == [(1, 2, 20, 1)]
     wide = _inputs(None, 1, 1, 8, 2, 257, seed=0, dtype=torch.float32)
-    _run(wide, "chunk")                                             # rows of more than 16 vectors: PyTorch's path
+    _run(wide, "chunk")                                             # rows wider than 1 KiB (256 float32): PyTorch's path
     assert len(calls) == 1
 
 

@@ -14,8 +14,8 @@
 // from zero and is added to the state before the block only once the block ends, so a state
 // entry is a sum of at most C terms plus one term per block (not of T terms in a row).
 //
-// Plain C++ with GCC/Clang vector extensions (vectors of 64 bytes: AVX-512 registers where the
-// CPU has them, split into smaller ones by the compiler elsewhere); no -ffast-math, so NaN and
+// Plain C++ with GCC/Clang vector extensions as wide as the target's registers (cpu_vector.h: 64
+// bytes with AVX-512, 32 with AVX2, 16 elsewhere); no -ffast-math, so NaN and
 // infinity propagate as IEEE says, and a token never reaches an output before it.
 #include <algorithm>
 #include <cmath>
@@ -34,11 +34,10 @@ using linattn_simd::load;
 using linattn_simd::Simd;
 using linattn_simd::store;
 
-#if defined(__AVX512F__)
-constexpr int ROWS = 4;   // 4 rows × 2 vectors: 8 running sums + 8 block states in 32 registers
-#else
-constexpr int ROWS = 2;   // 16 registers (AVX2) or 32 of 16 bytes (NEON): fewer rows
-#endif
+// A tile of ROWS × NVEC vectors holds 2·ROWS·NVEC registers (the block's running sums and the state
+// before it) plus NVEC of c_t and NVEC of the output: 20 of AVX-512's or NEON's 32 registers, 12 of
+// AVX2's or SSE2's 16.
+constexpr int ROWS = linattn_simd::vector_registers >= 32 ? 4 : 2;
 constexpr int NVEC = 2;
 
 // One tile: rows i0..i0+R of the state, columns j0..j0+NV*lanes, over n tokens of one block.
@@ -211,7 +210,7 @@ void linattn_elu_grad_f64(double* g, const double* phi, int64_t n) {
     for (int64_t i = 0; i < n; ++i) g[i] *= std::min(phi[i], 1.0);
 }
 
-int linattn_vector_bytes() { return 64; }
+int linattn_vector_bytes() { return linattn_simd::vector_bytes; }
 
 // The OpenMP runtime to run the heads on (GOMP_parallel, omp_get_thread_num, omp_get_num_threads of
 // the one PyTorch loaded; see cpu_parallel.h), or three nulls: std::threads of our own.

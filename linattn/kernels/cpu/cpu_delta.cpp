@@ -26,8 +26,8 @@
 //     d a_t = rows of S_{t-1} (.) dS summed along Dv (and over rows for one gate per head),
 //     dS_{t-1} = diag(a_t) dS.
 //
-// GCC/Clang vector extensions along Dv (vectors of 64 bytes: AVX-512 registers where the CPU has
-// them, split by the compiler elsewhere; Dv is padded to whole vectors by the caller, with zero
+// GCC/Clang vector extensions along Dv (as wide as the target's registers, cpu_vector.h: 64 bytes
+// with AVX-512, 32 with AVX2, 16 elsewhere; Dv is padded to whole vectors by the caller, with zero
 // columns that stay zero); no -ffast-math, so NaN and infinity propagate
 // as IEEE arithmetic says, and a token reaches only the outputs at and after it.
 #include <atomic>
@@ -42,7 +42,8 @@
 
 namespace {
 
-constexpr int MAXV = 16;   // vectors per row of the state at most (Dv <= 256 float32, <= 128 float64)
+// vectors per row of the state at most: Dv <= 256 float32, <= 128 float64, whatever the vector width
+constexpr int MAXV = 1024 / linattn_simd::vector_bytes;
 
 using linattn_simd::load;
 using linattn_simd::Simd;
@@ -69,8 +70,8 @@ struct Half<R, 2> {
 };
 
 template <typename R>
-inline R hsum(const typename Half<R, 64 / sizeof(R)>::type& x) {
-    return Half<R, 64 / sizeof(R)>::sum(x);
+inline R hsum(const typename Half<R, linattn_simd::vector_bytes / sizeof(R)>::type& x) {
+    return Half<R, linattn_simd::vector_bytes / sizeof(R)>::sum(x);
 }
 
 // Work buffers on 64-byte boundaries, like the tensors: a vector that straddles two cache lines costs

@@ -9,7 +9,7 @@ from torch import Tensor
 from ..._autograd import NO_SECOND_DERIVATIVE
 from ..._checks import check_bool, check_eps, check_tensor, shape_str
 from ..._numerics import no_autocast
-from .runtime import _DTYPES, _VECTOR_BYTES, _check_status, _library, _pad_to_vector, _ptr, build_info
+from .runtime import _DTYPES, _check_status, _lanes, _library, _pad_to_vector, _ptr, build_info
 
 __all__ = ["causal_linear_attention_cpu"]
 
@@ -61,7 +61,7 @@ def _backward(g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, need
         g = g / den.unsqueeze(-1)                                               # (B, H, T, Dv)
     with_row = normalize or g_z is not None          # z enters the gradients of φ(k) and of z0
     ones = torch.ones(B, H, T, dtype=dtype) if with_row else None
-    Mp = M + (-M % (_VECTOR_BYTES // v.element_size()))
+    Mp = M + (-M % _lanes(v))
     dq = dk = dv = dS0 = dz0 = None
     if need_q:
         X = torch.zeros(B, H, Dv, Mp, dtype=dtype)

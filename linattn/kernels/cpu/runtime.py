@@ -16,11 +16,11 @@ from torch import Tensor
 from .. import _fork
 from . import build
 
-__all__ = ["cpu_kernel_enabled", "cpu_kernel_available", "build_info", "warn_unavailable_once", "token_loop_supports"]
+__all__ = ["cpu_kernel_enabled", "cpu_kernel_available", "build_info", "warn_unavailable_once", "token_loop_supports",
+           "target_flags", "vector_bytes"]
 
 _BASE_FLAGS = ["-O3", "-ffp-contract=fast", "-std=gnu++17", "-shared", "-fPIC", "-pthread"]
-_NATIVE = ["-march=native"]
-_VECTOR_BYTES = 64
+_ROW_BYTES = 1024          # the token loops' widest row of the state: MAXV vectors of cpu_delta.cpp
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
 _lock = threading.Lock()
@@ -46,6 +46,27 @@ def build_info() -> dict:
     """How the library was built: ``compiler``, ``flags``, ``path``, or ``error`` (after a build attempt)."""
     _library()
     return dict(_state.get("info") or {"error": _state.get("error")})
+
+
+def target_flags() -> list[str]:
+    """The instruction-set flag of the build: ``-march=$LINATTN_CPU_MARCH`` (default ``native``, this CPU).
+
+    Raises
+    ------
+    ValueError
+        ``LINATTN_CPU_MARCH`` set to something that is not one compiler word (letters, digits, ``-._``).
+    """
+    march = os.environ.get("LINATTN_CPU_MARCH", "native")
+    if not march or not all(ch.isalnum() or ch in "-._" for ch in march):
+        raise ValueError(f"LINATTN_CPU_MARCH must name one target of the compiler's -march= (e.g. native, "
+                         f"haswell, x86-64-v3), got {march!r}")
+    return [f"-march={march}"]
+
+
+def vector_bytes() -> int:
+    """Bytes per vector of the loaded library (64 with AVX-512, 32 with AVX2, 16 otherwise); 0 when none loaded."""
+    lib = _library()
+    return 0 if lib is None else int(_state["vector_bytes"])
 
 
 def _declare(lib) -> None:
@@ -97,19 +118,23 @@ def _library():
             errors.append(f"CXX={cxx!r} names no C++ compiler executable (one program, without flags)" if cxx
                           else "no C++ compiler found (set CXX)")
         else:
-            for flags in (_BASE_FLAGS + _NATIVE, _BASE_FLAGS):
+            try:
+                candidates = (_BASE_FLAGS + target_flags(), _BASE_FLAGS)
+            except ValueError as err:
+                candidates = ()
+                errors.append(str(err))
+            for flags in candidates:
                 try:
                     lib = _open(compiler, flags)
                     break
                 except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
                     errors.append(f"{' '.join(flags)}: {err}")
         if lib is not None:
-            if lib.linattn_vector_bytes() != _VECTOR_BYTES:
-                lib, errors = None, ["library and module disagree on the vector length"]
-            else:
-                runtime = None if _fork.forked else _torch_openmp()     # a forked child: threads of our own
-                lib.linattn_set_openmp(*(runtime or (None, None, None)))
-                _state["openmp"] = runtime is not None
+            _state["vector_bytes"] = lib.linattn_vector_bytes()          # chosen by the compiler's target
+            _state["info"]["vector_bytes"] = _state["vector_bytes"]
+            runtime = None if _fork.forked else _torch_openmp()         # a forked child: threads of our own
+            lib.linattn_set_openmp(*(runtime or (None, None, None)))
+            _state["openmp"] = runtime is not None
         _state["error"] = "; ".join(errors) if lib is None else None
         _state["lib"] = lib
         return lib
@@ -141,9 +166,14 @@ def _ptr(t: Optional[Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _lanes(x: Tensor) -> int:
+    """Numbers of ``x``'s dtype per vector of the loaded library."""
+    return _state["vector_bytes"] // x.element_size()
+
+
 def _pad_to_vector(x: Tensor) -> Tensor:
-    """Contiguous ``x`` with its last dimension zero-padded to a whole number of 64-byte vectors."""
-    lanes = _VECTOR_BYTES // x.element_size()
+    """Contiguous ``x`` with its last dimension zero-padded to a whole number of the library's vectors."""
+    lanes = _lanes(x)
     extra = -x.shape[-1] % lanes
     return (F.pad(x, (0, extra)) if extra else x).contiguous()
 
@@ -164,9 +194,7 @@ def _check_status(status: int) -> None:
         raise RuntimeError(f"linattn CPU kernel refused its arguments (status {status})")
 
 
-_MAX_VECTORS = 16            # MAXV of cpu_delta.cpp
-
-
 def token_loop_supports(v: Tensor) -> bool:
-    """Whether the token loops of :mod:`.recurrent` take values of ``v``'s width (rows of 16 vectors at most)."""
-    return v.shape[-1] <= _MAX_VECTORS * (_VECTOR_BYTES // v.element_size())
+    """Whether the token loops of :mod:`.recurrent` take values of ``v``'s width (rows of 1 KiB at most:
+    ``Dv <= 256`` in float32, ``<= 128`` in float64)."""
+    return v.shape[-1] * v.element_size() <= _ROW_BYTES
