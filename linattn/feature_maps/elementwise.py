@@ -57,9 +57,12 @@ class _EluPlusOne(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         x, y = ctx.saved_tensors
-        # dφ/dx = 1 for x > 0 and e^x = φ(x) for x <= 0. Written with the saved output,
-        # this backward is itself differentiable (second derivatives work).
-        return torch.where(x > 0, grad, grad * y)
+        # dφ/dx = 1 for x > 0 and e^x = φ(x) <= 1 for x <= 0: min(φ(x), 1), since φ(x) = 1 + x >= 1
+        # for x > 0 (two passes). A second derivative (create_graph) takes the branch on x instead,
+        # whose derivative in y is right also where 1 + x rounds to 1.
+        if torch.is_grad_enabled():
+            return torch.where(x > 0, grad, grad * y)
+        return grad * y.clamp(max=1.0)
 
 
 

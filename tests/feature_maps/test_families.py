@@ -637,3 +637,16 @@ def test_hedgehog_random_init_and_bad_init():
         HedgehogFeatures(D, init=None)
     with pytest.raises(ValueError, match=r"seed must be >= 0"):
         HedgehogFeatures(D, seed=-1)
+
+
+def test_elu_plus_one_gradient_is_min_phi_one_and_its_second_derivative_is_exact():
+    # first derivative: 1 for x > 0, e^x for x <= 0, bit for bit; second: 0 for x > 0, also where
+    # 1 + x rounds to 1 in float32 (x = 1e-9), e^x for x <= 0
+    x = torch.tensor([-30.0, -2.0, -1e-9, 0.0, 1e-9, 0.5, 40.0], requires_grad=True)
+    (g,) = torch.autograd.grad(linattn.elu_plus_one(x).sum(), x, create_graph=True)
+    ref = torch.where(x.detach() > 0, torch.ones_like(x), torch.exp(x.detach()))
+    assert torch.equal(g.detach(), ref)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(h, torch.where(x.detach() > 0, torch.zeros_like(x), torch.exp(x.detach())))
+    (g1,) = torch.autograd.grad(linattn.elu_plus_one(x).sum(), x)           # the two-pass path
+    assert torch.equal(g1, ref)
