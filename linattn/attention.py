@@ -12,6 +12,7 @@ from ._deprecated import moved
 from ._numerics import all_finite, compiling, divide_by_normaliser, masked_matmul, no_autocast, safe_normaliser
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
+from .feature_maps.elementwise import elu_plus_one_arithmetic
 from .state import LinearAttentionState, check_initial_state
 
 __all__ = ["softmax_attention", "linear_attention", "linear_attention_step", "LINEAR_ATTENTION_METHODS",
@@ -370,7 +371,7 @@ def linear_attention_step(
         if plain and len(_STEP_OPTIONS) < 64:
             _STEP_OPTIONS[key] = options
     phi, normalize, eps, acc = options
-    if q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compiling():
+    if q.is_cpu and not torch.is_autocast_enabled("cpu") and not compiling():
         out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)      # nothing to switch off
     else:
         with no_autocast(q.device):
@@ -383,8 +384,12 @@ _STEP_OPTIONS: dict = {}
 
 def _step(q, k, v, state, phi, normalize, eps, acc):
     """The arithmetic of :func:`linear_attention_step` on checked inputs: ``(out, S, z)`` in ``acc``."""
-    q32, k32, v32 = (q if q.dtype == acc else q.to(acc)), (k if k.dtype == acc else k.to(acc)), v.to(acc)
-    phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)              # (B, H, M)
+    q32, k32 = (q if q.dtype == acc else q.to(acc)), (k if k.dtype == acc else k.to(acc))
+    v32 = v if v.dtype == acc else v.to(acc)
+    if phi is elu_plus_one and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        phi_q, phi_k = elu_plus_one_arithmetic(torch.stack((q32, k32)))   # (2, B, H, D): one call for both
+    else:
+        phi_q, phi_k = _checks.apply_feature_map(phi, q32, k32)          # (B, H, M)
     B, H, M = phi_k.shape
     Dv = v.shape[-1]
     if state is not None and not state._matches(B, H, M, Dv, acc, q.device):
@@ -398,7 +403,7 @@ def _step(q, k, v, state, phi, normalize, eps, acc):
     out = (phi_q.unsqueeze(-2) @ S).squeeze(-2)                          # (B, H, Dv)
     if normalize:
         den = (phi_q * z).sum(-1, keepdim=True)                          # (B, H, 1)
-        out = out / safe_normaliser(den, eps)
+        out = out.div_(safe_normaliser(den, eps))                         # out is a fresh tensor
     return out, S.contiguous(), z.contiguous()
 
 

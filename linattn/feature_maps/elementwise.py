@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .._checks import check_floating
 
-__all__ = ['elu_plus_one', 'relu', 'squared_relu']
+__all__ = ['elu_plus_one', 'relu', 'squared_relu', 'elu_plus_one_arithmetic']
 
 
 def elu_plus_one(x: Tensor) -> Tensor:
@@ -39,6 +39,12 @@ def elu_plus_one(x: Tensor) -> Tensor:
     return _EluPlusOne.apply(x)
 
 
+def elu_plus_one_arithmetic(x: Tensor) -> Tensor:
+    """:func:`elu_plus_one`'s arithmetic on a floating tensor, without its checks and autograd Function:
+    for callers that checked ``x`` and need no gradient (a decoding step)."""
+    return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+
+
 class _EluPlusOne(torch.autograd.Function):
     """``exp(min(x, 0)) + max(x, 0)``: elu(x) + 1 without the cancellation, in four passes."""
 
@@ -46,7 +52,7 @@ class _EluPlusOne(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor) -> Tensor:
-        return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+        return elu_plus_one_arithmetic(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
