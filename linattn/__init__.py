@@ -13,6 +13,10 @@ from .layers import LinearAttention, LinearMixer, LinearMultiheadAttention, Shor
 from .models import TransformerBlock, TransformerConfig, TransformerLM
 from .book import book_figure, default_device, finish_figure, set_seed, use_book_style
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
+from . import backends as _backends
+from .calibrate import calibrate_cpu_kernels as _calibrate_cpu_kernels
+
+_backends.set_cpu_calibrator(_calibrate_cpu_kernels)   # backends may not import the ops it dispatches
 
 __version__ = "0.2.0"
 

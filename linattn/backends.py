@@ -10,7 +10,8 @@ import torch
 
 from ._autograd import autograd_must_see_every_op
 
-__all__ = ["BACKENDS", "OPS", "default_backends", "enabled_backends", "use_backends", "last_backend", "select"]
+__all__ = ["BACKENDS", "OPS", "default_backends", "enabled_backends", "use_backends", "last_backend", "select",
+           "set_cpu_calibrator"]
 
 BACKENDS = ("torch", "cpu", "triton")
 OPS = {                                   # the backends that implement each op's chunk method
@@ -21,27 +22,43 @@ OPS = {                                   # the backends that implement each op'
     "gated_delta_rule": ("cpu", "torch"),
 }
 
-_pinned: list[tuple[str, ...]] = []       # the orders of the enclosing use_backends blocks
+_pinned: list[tuple[tuple[str, ...], bool]] = []   # (order, calibrated) of the enclosing use_backends blocks
 _last: list[Optional[str]] = [None]
+_calibrator: list = [None]                # measures the compiled loops (linattn.calibrate, set on import)
 _triton_failure: list[str] = []           # why the Triton kernel failed in this process (then never again)
 
 
 def default_backends() -> tuple[str, ...]:
-    """The order outside :func:`use_backends`, from ``LINATTN_DISABLE_TRITON`` and ``LINATTN_CPU_KERNEL``."""
+    """The order outside :func:`use_backends`, from ``LINATTN_DISABLE_TRITON`` and ``LINATTN_CPU_KERNEL``
+    (``1``: the compiled CPU loops where the calibration found them faster; ``force``: wherever they run)."""
     names = [] if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" else ["triton"]
-    if os.environ.get("LINATTN_CPU_KERNEL", "0") == "1":
+    if os.environ.get("LINATTN_CPU_KERNEL", "0") in ("1", "force"):
         names.append("cpu")
     return (*names, "torch")
 
 
+def _default_calibrated() -> bool:
+    return os.environ.get("LINATTN_CPU_KERNEL", "0") != "force"
+
+
 def enabled_backends() -> tuple[str, ...]:
     """The order in force: the innermost :func:`use_backends` block's, else :func:`default_backends`."""
-    return _pinned[-1] if _pinned else default_backends()
+    return _pinned[-1][0] if _pinned else default_backends()
+
+
+def set_cpu_calibrator(fn) -> None:
+    """The function that measures the compiled CPU loops for a thread count (``fn(threads)``); set by linattn."""
+    _calibrator[0] = fn
 
 
 @contextlib.contextmanager
-def use_backends(*backends: str) -> Iterator[tuple[str, ...]]:
+def use_backends(*backends: str, calibrated: bool = False) -> Iterator[tuple[str, ...]]:
     """Run the chunk methods inside the block on the first of ``backends`` that can run each call.
+
+    With ``calibrated=True`` the ``"cpu"`` backend runs an op only where the calibration of the compiled
+    loops (:func:`linattn.calibrate.calibrate_cpu_kernels`, measured once per library and thread count)
+    found it faster than the PyTorch chunk form, as ``LINATTN_CPU_KERNEL=1`` does; by default a listed
+    backend runs wherever it can.
 
     Raises
     ------
@@ -57,9 +74,11 @@ def use_backends(*backends: str) -> Iterator[tuple[str, ...]]:
             raise TypeError(f"a backend name must be a str, one of {BACKENDS}, got {type(name).__name__}")
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
-    _pinned.append(tuple(dict.fromkeys(backends)))
+    if not isinstance(calibrated, bool):
+        raise TypeError(f"calibrated must be a bool, got {type(calibrated).__name__}")
+    _pinned.append((tuple(dict.fromkeys(backends)), calibrated))
     try:
-        yield _pinned[-1]
+        yield _pinned[-1][0]
     finally:
         _pinned.pop()
 
@@ -79,9 +98,11 @@ def select(op: str, *tensors: Optional[torch.Tensor], chunk_size: Optional[int] 
         Inside :func:`use_backends` without ``"torch"``, when no listed backend can run the call.
     """
     pinned = bool(_pinned)
+    calibrated = _pinned[-1][1] if pinned else _default_calibrated()
     refused = []
     for name in enabled_backends():
-        why = f"does not implement {op}" if name not in OPS[op] else _why_not(name, op, tensors, chunk_size, pinned)
+        why = (f"does not implement {op}" if name not in OPS[op]
+               else _why_not(name, op, tensors, chunk_size, pinned, calibrated))
         if why is None:
             _record(name)
             return name
@@ -95,12 +116,30 @@ def _record(name: str) -> None:
         _last[0] = name
 
 
-def _why_not(name: str, op: str, tensors, chunk_size: Optional[int], pinned: bool) -> Optional[str]:
+def _why_not(name: str, op: str, tensors, chunk_size: Optional[int], pinned: bool, calibrated: bool) -> Optional[str]:
     if name == "torch":
         return None
     if name == "cpu":
-        return _why_not_cpu(op, tensors, pinned)
+        why = _why_not_cpu(op, tensors, pinned)
+        return why if why is not None or not calibrated else _slower_here(op, tensors)
     return _why_not_triton(tensors, chunk_size)
+
+
+def _slower_here(op: str, tensors) -> Optional[str]:
+    """Why the compiled loop of ``op`` does not run under the calibration, or None when it was the faster."""
+    from .kernels.cpu import calibration
+
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    threads = torch.get_num_threads()
+    faster = calibration.verdict(op, backward, threads)
+    if faster is None and _calibrator[0] is not None:
+        _calibrator[0](threads)                      # once per library and thread count, then cached
+        faster = calibration.verdict(op, backward, threads)
+    if faster is False:
+        return (f"slower than the PyTorch chunk form on this machine ({calibration.PASSES[backward]}, "
+                f"{threads} thread(s); calibrated in {calibration.calibration_path()}; "
+                "LINATTN_CPU_KERNEL=force or use_backends('cpu') runs it anyway)")
+    return None
 
 
 def _why_not_cpu(op: str, tensors, pinned: bool) -> Optional[str]:

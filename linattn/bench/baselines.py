@@ -140,11 +140,13 @@ def compiled_baseline_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk
 
 
 def _chunk_cpu_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
-    """The compiled CPU kernel with elu+1 applied inside (what ``LINATTN_CPU_KERNEL=1`` dispatches to)."""
-    from ..kernels.cpu import causal_linear_attention_cpu
+    """What ``LINATTN_CPU_KERNEL=1`` runs: the compiled CPU kernel (elu+1 inside it) where its calibration found
+    it faster than the PyTorch chunk form, else that form (:func:`linattn.backends.last_backend` says which)."""
+    from ..attention import linear_attention
+    from ..backends import use_backends
 
-    return causal_linear_attention_cpu(q, k, v, normalize=True, eps=eps, chunk_size=chunk_size,
-                                       feature_map="elu+1")[0].to(q.dtype)
+    with use_backends("cpu", "torch", calibrated=True):
+        return linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size, eps=eps)
 
 
 def method_fn(method: str, chunk_size: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:

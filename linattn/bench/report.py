@@ -95,8 +95,9 @@ def format_table(results: Sequence[dict], reference: Optional[str] = "chunk") ->
     notes = []
     for T, block in blocks.items():
         for r in block:
-            if r["status"] != "ok":
+            if r["status"] != "ok" or r["note"]:
                 notes.append(f"{T:>6}  {r['method']}  {r['status']}: {r['note']}")
+            if r["status"] != "ok":
                 continue
             row = [str(T), r["method"], _time_cell(r["fwd_s"], r["fwd_spread"]),
                    _time_cell(r["fwd_bwd_s"], r["fwd_bwd_spread"]), _num(r["peak_memory_bytes"], 1e-6),

@@ -163,6 +163,8 @@ def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeat
                 continue
             fn = peers[name] if name in peers else method_fn(name, chunk_size)
             fwd[name], fwd_bwd[name] = _passes(fn, (q, k, v), grad_out)
+            if name == "chunk_cpu":
+                row["note"] = _what_ran(fwd[name], fwd_bwd[name] if backward else None)
 
         def failed(name: str, err: BaseException) -> None:
             message = str(err).strip().splitlines()
@@ -212,6 +214,21 @@ def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeat
             torch.cuda.empty_cache()
         del q, k, v, grad_out
     return results
+
+
+def _what_ran(forward: Callable, forward_backward: Optional[Callable]) -> str:
+    """A note when a pass of ``chunk_cpu`` runs the PyTorch chunk form (the calibration found the compiled
+    loop slower here), else ""; the calls double as warm-up."""
+    from ..backends import last_backend
+
+    ran = {}
+    for label, call in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        if call is not None:
+            call()
+            ran[label] = last_backend()
+    slower = [label for label, backend in ran.items() if backend != "cpu"]
+    return (f"the compiled loop was calibrated slower here for {' and '.join(slower)}: "
+            "these times are the PyTorch chunk form's") if slower else ""
 
 
 def _passes(fn: Callable, qkv: tuple[Tensor, Tensor, Tensor], grad_out: Tensor):

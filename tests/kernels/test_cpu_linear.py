@@ -191,7 +191,7 @@ def test_linear_attention_uses_the_kernel_only_when_asked(monkeypatch):
     q, k, v = _qkv(1, 2, 33, 8, 8, dtype=torch.float32)
     monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
     assert "Cpu" not in type(linattn.linear_attention(q, k, v, causal=True).grad_fn).__name__
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     y, state = linattn.linear_attention(q, k, v, causal=True, return_state=True)
     assert "CpuEluCausal" in type(y.grad_fn).__name__                 # elu+1 applied inside the kernel's Function
     y_relu = linattn.linear_attention(q, k, v, causal=True, feature_map="relu")
@@ -218,7 +218,7 @@ def test_linear_attention_uses_the_kernel_only_when_asked(monkeypatch):
 @needs_kernel
 def test_linear_attention_with_the_kernel_compiles_fullgraph(monkeypatch):
     """Under torch.compile the PyTorch path is traced (the kernel is not a traceable op)."""
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     q, k, v = (x.detach() for x in _qkv(1, 2, 20, 4, 4, dtype=torch.float32))
     fn = torch.compile(lambda q, k, v: linattn.linear_attention(q, k, v, causal=True), backend="eager",
                        fullgraph=True)
@@ -230,7 +230,7 @@ def test_without_a_compiler_the_pytorch_path_runs_with_one_warning(monkeypatch, 
     monkeypatch.setattr(cpu_runtime, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     assert cpu.cpu_kernel_available() is False and "compiler" in cpu.build_info()["error"]
     q, k, v = _qkv(1, 1, 10, 4, 4, dtype=torch.float32)
     with pytest.warns(RuntimeWarning, match="CPU kernel is not available"):
@@ -303,7 +303,7 @@ def test_a_chunk_size_beyond_the_sequence_is_the_sequence(monkeypatch):
     for C in (9, 10**6, 2**62, sys.maxsize, 2**63, 2**70):
         out = cpu.causal_linear_attention_cpu(fq, fk, v, chunk_size=C)[0]
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     out = linattn.linear_attention(fq, fk, v, causal=True, feature_map=None, chunk_size=sys.maxsize)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 

@@ -55,7 +55,7 @@ def _run(kind, xs, method, chunk_size=16, create_graph=False):
 @pytest.fixture
 def calls(monkeypatch):
     """Turns the kernel on and records the gate shape of each call."""
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     seen = []
     real = cpu.decay_cpu
 
@@ -88,7 +88,7 @@ def test_values_state_and_every_gradient_match_the_recurrence_in_float64(kind, T
 def test_property_kernel_equals_the_recurrence(B, H, T, Dk, Dv, C, kind, with_state, depth, seed):
     xs = _inputs(kind, B, H, T, Dk, Dv, seed, with_state=with_state, depth=depth)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LINATTN_CPU_KERNEL", "1")
+        mp.setenv("LINATTN_CPU_KERNEL", "force")
         got = _run(kind, xs, "chunk", C)
     ref = _run(kind, xs, "recurrent")
     for a, b in zip(got, ref):
@@ -104,7 +104,7 @@ def test_gates_at_the_ends_of_their_range(calls, monkeypatch):
                                                                                               -5000.0))):
         xs = _inputs(kind, 1, 2, 20, 4, 5, seed=1)
         xs[3] = gate.requires_grad_()
-        monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+        monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
         got = _run(kind, xs, "chunk", 8)
         monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
         ref = _run(kind, xs, "recurrent")
@@ -137,7 +137,7 @@ def test_off_by_default_and_for_other_dtypes_or_widths(calls, monkeypatch):
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
     _run("gla", xs, "chunk")
     assert not calls
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     _run("gla", xs, "recurrent")                                    # the recurrent method stays PyTorch's
     assert not calls
     half = [x.detach().to(torch.bfloat16).requires_grad_() for x in xs]
@@ -160,7 +160,7 @@ def test_second_derivatives_and_torch_func_use_the_op_by_op_forms(kind, calls, m
     expected = torch.autograd.grad(sum((g * g).sum() for g in ref[2:]), xs)
     for a, b in zip(second, expected):
         torch.testing.assert_close(a, b, **F64)
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     calls.clear()
     q, k, v, gate, S0 = xs
     fn = linattn.retention if kind == "retention" else linattn.gated_linear_attention
@@ -214,7 +214,7 @@ def test_inputs_are_not_modified_and_outputs_own_their_memory(kind, calls):
 @pytest.mark.parametrize("kind", ["retention", "gla", "delta"])
 def test_a_forward_pass_without_gradients_gives_the_same_bits(kind, monkeypatch):
     """Without autograd the kernels keep no states for a backward pass: same outputs, bit for bit."""
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     if kind == "delta":
         g = torch.Generator().manual_seed(3)
         q, v = (torch.randn(1, 2, 70, 8, generator=g, requires_grad=True) for _ in range(2))
@@ -241,7 +241,7 @@ def test_a_forward_pass_without_gradients_gives_the_same_bits(kind, monkeypatch)
 def test_the_openmp_runtime_and_threads_of_our_own_give_the_same_bits(monkeypatch):
     """The kernels run their heads on PyTorch's OpenMP threads where they find them (Linux), else on
     std::threads; every kernel gives the same bits either way."""
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     lib = cpu_runtime._library()
     runtime = cpu_runtime._torch_openmp()
     g = torch.Generator().manual_seed(8)
@@ -295,7 +295,7 @@ def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(monkeypatch):
     child must not wait for them (it did, for ever), but start threads of its own."""
     import multiprocessing
 
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -317,7 +317,7 @@ def test_a_forked_child_runs_the_kernels_on_threads_of_its_own(monkeypatch):
 
 _FIRST_LOAD_IN_CHILD = """
 import os, sys, time
-os.environ["LINATTN_CPU_KERNEL"] = "1"
+os.environ["LINATTN_CPU_KERNEL"] = "force"
 import torch
 import linattn
 torch.set_num_threads(2)

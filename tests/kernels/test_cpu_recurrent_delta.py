@@ -53,7 +53,7 @@ def _run(xs, method, chunk_size=16, create_graph=False):
 @pytest.fixture
 def calls(monkeypatch):
     """Turns the kernel on and counts its calls."""
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     seen = []
     real = cpu.delta_rule_cpu
 
@@ -86,7 +86,7 @@ def test_values_state_and_every_gradient_match_the_recurrence_in_float64(gate, T
 def test_property_kernel_equals_the_recurrence(B, H, T, Dk, Dv, C, gate, with_state, seed):
     xs = _inputs(gate, B, H, T, Dk, Dv, seed, with_state=with_state)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LINATTN_CPU_KERNEL", "1")
+        mp.setenv("LINATTN_CPU_KERNEL", "force")
         got = _run(xs, "chunk", C)
     ref = _run(xs, "recurrent")
     for a, b in zip(got, ref):
@@ -117,7 +117,7 @@ def test_off_by_default_and_for_other_devices_or_dtypes(calls, monkeypatch):
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
     _run(xs, "chunk")
     assert not calls
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     _run(xs, "recurrent")                                           # the recurrent method stays PyTorch's
     assert not calls
     half = [None if x is None else x.detach().to(torch.bfloat16).requires_grad_() for x in xs]
@@ -140,7 +140,7 @@ def test_second_derivatives_and_torch_func_use_the_op_by_op_forms(gate, calls, m
     expected = torch.autograd.grad(sum((g * g).sum() for g in ref[2:]), [x for x in xs if x is not None])
     for a, b in zip(second, expected):
         torch.testing.assert_close(a, b, **F64)
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     calls.clear()
     q, k, v, beta, S0, log_g = xs
 

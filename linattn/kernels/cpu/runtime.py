@@ -27,8 +27,8 @@ _lock = threading.Lock()
 _state: dict = {}          # "lib": the loaded library, "info": how it was built, "error": why not
 
 def cpu_kernel_enabled() -> bool:
-    """Whether ``LINATTN_CPU_KERNEL=1`` asks :func:`linattn.linear_attention` to use this path."""
-    return os.environ.get("LINATTN_CPU_KERNEL", "0") == "1"
+    """Whether ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) asks the chunk methods to use this path."""
+    return os.environ.get("LINATTN_CPU_KERNEL", "0") in ("1", "force")
 
 
 def cpu_kernel_available() -> bool:

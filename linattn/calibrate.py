@@ -1,0 +1,121 @@
+"""Calibrating the compiled CPU loops: are they faster than the PyTorch chunk forms on this machine?
+
+``LINATTN_CPU_KERNEL=1`` asks for the compiled loops, but a loop built for a machine without wide
+vectors (or a machine unlike the ones it was tuned on) can be slower than the PyTorch chunk form. So the
+first time an op would run compiled, each op is timed both ways on one problem, forward and
+forward+backward, in interleaved rounds, and the verdicts are cached beside the library
+(:mod:`linattn.kernels.cpu.calibration`); where the compiled loop lost, the PyTorch path runs and
+:func:`linattn.backends.last_backend` says so. ``use_backends("cpu")`` and ``LINATTN_CPU_KERNEL=force``
+run the compiled loops regardless.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import backends
+from .attention import linear_attention
+from .kernels.cpu import build_info, calibration, cpu_kernel_available
+from .ops.delta import delta_rule
+from .ops.gated_delta import gated_delta_rule
+from .ops.gla import gated_linear_attention
+from .ops.retention import retention
+
+__all__ = ["PROBLEM", "calibrate_cpu_kernels"]
+
+PROBLEM = dict(batch=1, heads=8, seq_len=512, head_dim=64, dtype="float32", rounds=5, seed=0)
+_lock = threading.Lock()
+
+
+def _calls(p: dict) -> dict:
+    """Each op on one seeded problem: a function of ``backward`` that runs it once."""
+    g = torch.Generator().manual_seed(p["seed"])
+    B, H, T, D = p["batch"], p["heads"], p["seq_len"], p["head_dim"]
+    q, k, v, w = (torch.randn(B, H, T, D, generator=g) for _ in range(4))          # (B, H, T, D)
+    unit_k = F.normalize(k, dim=-1)
+    beta = torch.rand(B, H, T, generator=g)                                        # (B, H, T)
+    log_a = F.logsigmoid(torch.randn(B, H, T, generator=g) + 4)                    # (B, H, T)
+    log_g = F.logsigmoid(torch.randn(B, H, T, D, generator=g)) / 16                # (B, H, T, D)
+    gamma = 1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float32))                 # (H,)
+    ops = {
+        "linear_attention": lambda q_, k_, v_: linear_attention(q_, k_, v_, causal=True, method="chunk"),
+        "retention": lambda q_, k_, v_: retention(q_, k_, v_, gamma),
+        "gated_linear_attention": lambda q_, k_, v_: gated_linear_attention(q_, k_, v_, log_g),
+        "delta_rule": lambda q_, k_, v_: delta_rule(q_, k_, v_, beta),
+        "gated_delta_rule": lambda q_, k_, v_: gated_delta_rule(q_ / 8, k_, v_, log_a, beta),
+    }
+    unit = {"delta_rule", "gated_delta_rule"}
+
+    def make(op):
+        def run(backward: bool) -> None:
+            xs = [x.requires_grad_(backward) for x in (q.clone(), (unit_k if op in unit else k).clone(), v.clone())]
+            with torch.set_grad_enabled(backward):
+                out = ops[op](*xs)
+                if backward:
+                    (out * w).sum().backward()
+        return run
+
+    return {op: make(op) for op in ops}
+
+
+def _time_pair(run, backward: bool, rounds: int, clock) -> dict:
+    """Median seconds of the compiled and the PyTorch call, interleaved round by round, and their ratio."""
+    times = {"cpu": [], "torch": []}
+    for _ in range(rounds + 1):                          # the first round warms up and is dropped
+        for name in ("cpu", "torch"):
+            with backends.use_backends(name):
+                start = clock()
+                run(backward)
+                times[name].append(clock() - start)
+    compiled, pytorch = times["cpu"][1:], times["torch"][1:]
+    ratio = statistics.median(t / c for t, c in zip(pytorch, compiled))
+    return {"compiled_s": statistics.median(compiled), "torch_s": statistics.median(pytorch),
+            "torch_over_compiled": round(ratio, 3), "compiled_faster": ratio > 1.0}
+
+
+def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False) -> dict:
+    """Time every op's compiled loop against its PyTorch chunk form and cache the verdicts beside the library.
+
+    Parameters
+    ----------
+    threads : int, optional
+        Intra-op threads to calibrate for (default: ``torch.get_num_threads()``).
+    force : bool
+        Measure again even if this library already has verdicts for ``threads``.
+
+    Returns
+    -------
+    dict
+        The calibration file's content: ``problem``, ``build``, and under ``threads[str(threads)][op]``
+        for each pass (``"forward"``, ``"forward+backward"``) the median seconds ``compiled_s``,
+        ``torch_s``, their median ratio ``torch_over_compiled`` and ``compiled_faster``.
+
+    Raises
+    ------
+    RuntimeError
+        The compiled CPU kernel is not available here.
+    """
+    if not cpu_kernel_available():
+        raise RuntimeError(f"the CPU kernel is not available here ({build_info().get('error')})")
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    with _lock:
+        have = calibration.load_calibration()
+        if not force and str(threads) in have.get("threads", {}):
+            return have
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            clock = time.thread_time if threads == 1 else time.perf_counter
+            results = {op: {name: _time_pair(run, backward, PROBLEM["rounds"], clock)
+                            for name, backward in zip(calibration.PASSES, (False, True))}
+                       for op, run in _calls(PROBLEM).items()}
+        finally:
+            torch.set_num_threads(previous)
+        about = {"problem": PROBLEM, "build": {k: v for k, v in build_info().items() if k != "path"},
+                 "torch": torch.__version__}
+        return calibration.save_calibration(threads, results, about)

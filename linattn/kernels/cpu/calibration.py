@@ -1,0 +1,74 @@
+"""Whether the compiled loops beat the PyTorch chunk forms on this machine: verdicts cached beside the library.
+
+A build of the library is fixed to one machine (its ``-march``), so its calibration is too: a JSON file
+next to the ``.so`` (same name, ``.calibration.json``) holds, per number of threads, each family's
+op's median times and whether the compiled loop was faster, forward and forward+backward.
+:func:`linattn.calibrate.calibrate_cpu_kernels` measures and writes them; :mod:`linattn.backends`
+reads them. This module only reads and writes the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+import threading
+from typing import Optional
+
+from . import runtime
+
+__all__ = ["PASSES", "calibration_path", "load_calibration", "verdict", "save_calibration"]
+
+PASSES = ("forward", "forward+backward")
+
+_lock = threading.Lock()
+_cache: dict = {}          # path -> the file's content, read once per process
+
+
+def calibration_path() -> Optional[pathlib.Path]:
+    """The calibration file of the loaded library (None when the library is not available)."""
+    if not runtime.cpu_kernel_available():
+        return None
+    return pathlib.Path(runtime.build_info()["path"] + ".calibration.json")
+
+
+def load_calibration() -> dict:
+    """The cached calibration of the loaded library: ``{"threads": {"1": {op: {pass: {...}}}}, ...}``,
+    or ``{}`` when there is none (or the file cannot be read)."""
+    path = calibration_path()
+    if path is None:
+        return {}
+    key = str(path)
+    if key not in _cache:
+        try:
+            _cache[key] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+    return _cache[key]
+
+
+def verdict(op: str, backward: bool, threads: int) -> Optional[bool]:
+    """Whether the compiled loop of ``op`` was the faster with ``threads`` threads (None: not calibrated)."""
+    entry = load_calibration().get("threads", {}).get(str(threads), {}).get(op, {})
+    record = entry.get(PASSES[bool(backward)])
+    return None if record is None else bool(record["compiled_faster"])
+
+
+def save_calibration(threads: int, results: dict, about: dict) -> dict:
+    """Merge ``results`` (``{op: {pass: record}}``) for ``threads`` into the file, atomically; returns it all."""
+    path = calibration_path()
+    if path is None:
+        raise RuntimeError(f"the CPU kernel is not available here ({runtime.build_info().get('error')})")
+    with _lock:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        doc.update(about)
+        doc.setdefault("threads", {})[str(threads)] = results
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)              # atomic: another process may read it meanwhile
+        _cache[str(path)] = doc
+    return doc

@@ -1,0 +1,110 @@
+"""linattn.calibrate and the calibrated "cpu" backend: LINATTN_CPU_KERNEL=1 runs a compiled loop only where the
+calibration found it faster than the PyTorch chunk form; LINATTN_CPU_KERNEL=force and use_backends("cpu") run it
+wherever it can run; last_backend() says which ran."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn import backends, calibrate
+from linattn.kernels import cpu
+from linattn.kernels.cpu import calibration
+
+needs_kernel = pytest.mark.skipif(not cpu.cpu_kernel_available(), reason="no C++ compiler for the CPU kernel")
+
+
+@pytest.fixture
+def own_calibration(monkeypatch, tmp_path):
+    """A calibration file of our own, written where the library's would be."""
+    path = tmp_path / "lib.so.calibration.json"
+    monkeypatch.setattr(calibration, "calibration_path", lambda: path)
+    monkeypatch.setattr(calibration, "_cache", {})
+
+    def write(faster: dict, threads=None):
+        threads = torch.get_num_threads() if threads is None else threads
+        doc = {"threads": {str(threads): {op: {p: {"compiled_faster": faster[op, p]} for p in calibration.PASSES}
+                                          for op in backends.OPS}}}
+        path.write_text(json.dumps(doc))
+        calibration._cache.clear()
+    return write
+
+
+def _qkv(grad, T=24):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, T, 8, generator=g).requires_grad_(grad) for _ in range(3)]
+
+
+@needs_kernel
+def test_a_loop_calibrated_slower_gives_way_to_the_pytorch_form_and_says_why(own_calibration, monkeypatch):
+    # linear attention: compiled faster forward only; every other op faster in both passes
+    own_calibration({(op, p): not (op == "linear_attention" and p == "forward+backward")
+                     for op in backends.OPS for p in calibration.PASSES})
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    q, k, v = _qkv(grad=True)
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "torch"                          # forward+backward: slower here
+    with torch.no_grad():
+        linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "cpu"                            # forward only: faster here
+    linattn.delta_rule(q, F.normalize(k, dim=-1), v, torch.rand(1, 2, 24))
+    assert backends.last_backend() == "cpu"
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")                  # no calibration
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "cpu"
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    with backends.use_backends("cpu", "torch"):                         # pinned: runs wherever it can
+        linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "cpu"
+    with backends.use_backends("cpu", "torch", calibrated=True):
+        linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "torch"
+    with pytest.raises(RuntimeError, match="slower than the PyTorch chunk form on this machine"):
+        with backends.use_backends("cpu", calibrated=True):
+            linattn.linear_attention(q, k, v, causal=True)
+
+
+@needs_kernel
+def test_no_verdict_yet_runs_the_calibrator_once_per_thread_count(own_calibration, monkeypatch):
+    calls = []
+
+    def fake(threads):
+        calls.append(threads)
+        own_calibration({(op, p): False for op in backends.OPS for p in calibration.PASSES}, threads)
+
+    monkeypatch.setattr(backends, "_calibrator", [fake])
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    q, k, v = _qkv(grad=False)
+    for _ in range(3):
+        linattn.retention(q, k, v, 0.9)
+        assert backends.last_backend() == "torch"
+    assert calls == [torch.get_num_threads()]
+
+
+@needs_kernel
+def test_calibrate_cpu_kernels_times_both_forms_and_caches_the_verdicts(own_calibration, monkeypatch):
+    monkeypatch.setattr(calibrate, "PROBLEM", dict(calibrate.PROBLEM, seq_len=16, heads=2, head_dim=8, rounds=2))
+    doc = calibrate.calibrate_cpu_kernels(1)
+    for op in backends.OPS:
+        for p in calibration.PASSES:
+            rec = doc["threads"]["1"][op][p]
+            assert rec["compiled_s"] > 0 and rec["torch_s"] > 0
+            assert rec["compiled_faster"] == (rec["torch_over_compiled"] > 1)
+            assert calibration.verdict(op, p == "forward+backward", 1) == rec["compiled_faster"]
+    assert doc["problem"]["seq_len"] == 16 and "flags" in doc["build"]
+    stamp = calibration.calibration_path().stat().st_mtime_ns
+    assert calibrate.calibrate_cpu_kernels(1) == doc                    # cached: not measured again
+    assert calibration.calibration_path().stat().st_mtime_ns == stamp
+
+
+def test_use_backends_refuses_a_calibrated_flag_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="calibrated must be a bool"):
+        with backends.use_backends("torch", calibrated=1):
+            pass
+
+
+def test_force_puts_the_compiled_loops_in_the_default_order(monkeypatch):
+    monkeypatch.setenv("LINATTN_DISABLE_TRITON", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
+    assert backends.default_backends() == ("cpu", "torch") and cpu.cpu_kernel_enabled()
