@@ -108,3 +108,17 @@ def test_force_puts_the_compiled_loops_in_the_default_order(monkeypatch):
     monkeypatch.setenv("LINATTN_DISABLE_TRITON", "1")
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     assert backends.default_backends() == ("cpu", "torch") and cpu.cpu_kernel_enabled()
+
+
+@needs_kernel
+def test_the_decay_bench_times_the_compiled_loops_even_where_calibrated_slower(own_calibration, monkeypatch):
+    from linattn.bench import run_decay_benchmark
+    own_calibration({(op, p): False for op in backends.OPS for p in calibration.PASSES})
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    ran = []
+    real_select = backends.select
+    monkeypatch.setattr(backends, "select", lambda *a, **kw: ran.append(real_select(*a, **kw)) or ran[-1])
+    rows = run_decay_benchmark(seq_lens=[32], variants=["delta"], batch=1, heads=1, head_dim=8, chunk_size=16,
+                               repeats=1, warmup=0, recurrent=False)
+    assert all(r["cpu_kernel"] for r in rows)
+    assert ran and set(ran) == {"cpu"}                                 # the loops ran, not the PyTorch form

@@ -278,7 +278,7 @@ def machine_info(device: Union[torch.device, str]) -> dict:
         "cpu_capability": _cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cpu_kernel": os.environ.get("LINATTN_CPU_KERNEL", "0") == "1",
+        "cpu_kernel": os.environ.get("LINATTN_CPU_KERNEL", "0") in ("1", "force"),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),

@@ -231,6 +231,16 @@ def _what_ran(forward: Callable, forward_backward: Optional[Callable]) -> str:
             "these times are the PyTorch chunk form's") if slower else ""
 
 
+def _on_compiled_loops(fn: Callable) -> Callable:
+    """``fn`` run with the compiled CPU loops first (``use_backends("cpu", "torch")``: no calibration veto)."""
+    from ..backends import use_backends
+
+    def call(*args):
+        with use_backends("cpu", "torch"):
+            return fn(*args)
+    return call
+
+
 def _passes(fn: Callable, qkv: tuple[Tensor, Tensor, Tensor], grad_out: Tensor):
     """The forward (under no_grad) and forward+backward calls of one method, as closures."""
     def forward() -> None:
@@ -418,8 +428,8 @@ def run_decay_benchmark(
         ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured),
         ``fwd_minor_faults`` and ``fwd_bwd_minor_faults`` (the minor page faults of each timed
         call, :func:`linattn.bench.timing.interleaved_times`; None on CUDA or without ``resource``),
-        ``cpu_kernel`` (True when ``LINATTN_CPU_KERNEL=1`` had the chunk forms of the ungated update,
-        the delta rule and the gated delta rule run the compiled loops of :mod:`linattn.kernels.cpu`).
+        ``cpu_kernel`` (True when ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) had the chunk forms run the
+        compiled loops of :mod:`linattn.kernels.cpu` wherever they can, whatever their calibration says).
 
     Raises
     ------
@@ -501,6 +511,8 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                           lambda q, k, v, f=functions[variant], e=extra: f(q, k, v, *e, method="recurrent")))
         for variant, method, C, qkv, fn in calls:
             key = f"{variant}/{method}/{C}"
+            if compiled:            # the compiled loops wherever they run, not only where the calibration chose them
+                fn = _on_compiled_loops(fn)
             fwd[key], fwd_bwd[key] = _passes(fn, qkv, grad_out)
             cells.append(dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
                               head_dim=head_dim, chunk_size=C, effective_chunk_size=min(C, T),
