@@ -14,7 +14,12 @@ from .models import TransformerBlock, TransformerConfig, TransformerLM
 from .book import book_figure, default_device, finish_figure, set_seed, use_book_style
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 from . import backends as _backends
-from .calibrate import calibrate_cpu_kernels as _calibrate_cpu_kernels
+
+
+def _calibrate_cpu_kernels(threads):       # imported on first use: `python -m linattn.calibrate` runs it as __main__
+    from .calibrate import calibrate_cpu_kernels
+    return calibrate_cpu_kernels(threads)
+
 
 _backends.set_cpu_calibrator(_calibrate_cpu_kernels)   # backends may not import the ops it dispatches
 

@@ -99,10 +99,14 @@ def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False)
     ------
     RuntimeError
         The compiled CPU kernel is not available here.
+    ValueError
+        ``threads`` is not a positive int.
     """
     if not cpu_kernel_available():
         raise RuntimeError(f"the CPU kernel is not available here ({build_info().get('error')})")
-    threads = torch.get_num_threads() if threads is None else int(threads)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    threads = torch.get_num_threads() if threads is None else threads
     with _lock:
         have = calibration.load_calibration()
         if not force and str(threads) in have.get("threads", {}):
@@ -119,3 +123,31 @@ def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False)
         about = {"problem": PROBLEM, "build": {k: v for k, v in build_info().items() if k != "path"},
                  "torch": torch.__version__}
         return calibration.save_calibration(threads, results, about)
+
+
+def main(argv=None) -> int:
+    """``python -m linattn.calibrate [--threads N ...] [--force]``: calibrate and print the verdicts."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m linattn.calibrate", description=main.__doc__)
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
+                        help="thread counts to calibrate for (default: torch's current count)")
+    parser.add_argument("--force", action="store_true", help="measure again even if verdicts are cached")
+    args = parser.parse_args(argv)
+    if any(n < 1 for n in args.threads):
+        parser.error(f"--threads must be positive, got {args.threads}")
+    doc = {}
+    for n in args.threads:
+        doc = calibrate_cpu_kernels(n, force=args.force)
+    print(f"calibration: {calibration.calibration_path()}")
+    print(f"{'threads':>7}  {'op':<24}{'pass':<18}{'PyTorch/compiled':>17}  runs")
+    for n in args.threads:
+        for op, passes in doc["threads"][str(n)].items():
+            for name, r in passes.items():
+                print(f"{n:>7}  {op:<24}{name:<18}{r['torch_over_compiled']:>17.2f}  "
+                      f"{'compiled' if r['compiled_faster'] else 'PyTorch'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -122,3 +122,23 @@ def test_the_decay_bench_times_the_compiled_loops_even_where_calibrated_slower(o
                                repeats=1, warmup=0, recurrent=False)
     assert all(r["cpu_kernel"] for r in rows)
     assert ran and set(ran) == {"cpu"}                                 # the loops ran, not the PyTorch form
+
+
+def test_threads_must_be_a_positive_int():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="threads must be a positive int"):
+            calibrate.calibrate_cpu_kernels(bad)
+
+
+@needs_kernel
+def test_the_command_prints_every_op_and_pass(own_calibration, capsys):
+    own_calibration({(op, p): True for op in backends.OPS for p in calibration.PASSES})
+    for passes in json.loads(calibration.calibration_path().read_text())["threads"].values():
+        for op in passes.values():
+            for r in op.values():
+                r["torch_over_compiled"] = 2.0
+    calibration.calibration_path().write_text(json.dumps({"threads": {str(torch.get_num_threads()): passes}}))
+    calibration._cache.clear()
+    assert calibrate.main(["--threads", str(torch.get_num_threads())]) == 0
+    out = capsys.readouterr().out
+    assert out.count("  compiled\n") == 2 * len(backends.OPS) and "gated_delta_rule" in out
