@@ -118,6 +118,20 @@ def check_peer(peer) -> float:
     return (peer(q, k, v).double() - ref).abs().max().item()
 
 
+def host_isa() -> dict:
+    """The host's vector instruction sets (from /proc/cpuinfo's flags; empty where there is none)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith(("flags", "Features"))), [])
+    wanted = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "avx", "sse4_2", "asimd", "sve")
+    return {"vector_flags": [f for f in wanted if f in flags],
+            "widest": next((w for f, w in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
+                                           ("sve", "SVE"), ("asimd", "NEON")) if f in flags), "SSE or none")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,9 +173,11 @@ def main(argv=None) -> int:
         "description": ("linattn (chunk: PyTorch chunk form; chunk_cpu: the compiled CPU kernel) against "
                         "fast-transformers' published CPU causal product and torch.compile of the plain baseline; "
                         "causal, normalised, elu+1, float32, B=1, H=8, D=Dv=64"),
-        "command": ("python scripts/ft_side_by_side.py --ft-source PATH/TO/fast-transformers --threads "
+        "command": ((f"LINATTN_CPU_MARCH={os.environ['LINATTN_CPU_MARCH']} " if os.environ.get("LINATTN_CPU_MARCH")
+                     else "") + "python scripts/ft_side_by_side.py --ft-source PATH/TO/fast-transformers --threads "
                     f"{' '.join(map(str, a.threads))} --seq-lens {' '.join(map(str, a.seq_lens))} "
-                    f"--repeats {a.repeats} --seed {a.seed} --out FILE"),
+                    f"--repeats {a.repeats} --seed {a.seed} --peer-flags {' '.join(a.peer_flags)} --out FILE"),
+        "host_isa": host_isa(),
         "seeds": {"inputs": a.seed, "peer_check": 0},
         "peer": {"repository": "idiap/fast-transformers", "commit": commit, "file": PEER_FILE,
                  "compiler": compiler[0] if compiler else "unknown", "cflags": a.peer_flags,

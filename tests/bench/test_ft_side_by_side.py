@@ -90,3 +90,11 @@ def test_the_results_file_records_the_seed_of_the_inputs(script, tmp_path, monke
     assert doc["seeds"] == {"inputs": 7, "peer_check": 0} and "--seed 7" in doc["command"]
     with pytest.raises(SystemExit):
         script.main(["--ft-source", str(tmp_path), "--seed", "-1", "--out", str(out)])
+
+
+def test_the_host_isa_names_the_widest_vector_set(script, monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx fma avx2\n")
+    real = script.pathlib.Path
+    monkeypatch.setattr(script.pathlib, "Path", lambda p: info if p == "/proc/cpuinfo" else real(p))
+    assert script.host_isa() == {"vector_flags": ["avx2", "fma", "avx", "sse4_2"], "widest": "AVX2"}
