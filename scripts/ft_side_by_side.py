@@ -141,10 +141,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--seed", type=int, default=0, help="seed of the benchmark's inputs (q, k, v, the upstream gradient)")
-    p.add_argument("--peer-flags", nargs="+", default=PEER_FLAGS, help="compiler flags of the peer")
+    p.add_argument("--peer-flags", nargs="+", default=PEER_FLAGS,
+                   help="compiler flags of the peer (one quoted string works too: --peer-flags='-O3 -march=haswell')")
     p.add_argument("--build-dir", type=pathlib.Path, default=None, help="default: a temporary folder")
     p.add_argument("--out", type=pathlib.Path, required=True, help="the results file (JSON)")
     a = p.parse_args(argv)
+    a.peer_flags = [flag for flags in a.peer_flags for flag in flags.split()]
     if min(a.threads) < 1 or min(a.seq_lens) < 1 or a.repeats < 1:
         p.error("--threads, --seq-lens and --repeats take positive integers")
     if not 0 <= a.seed < 2 ** 63:
