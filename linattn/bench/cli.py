@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
              f"{' '.join(map(str, DEFAULT_DECAY_SEQ_LENS))} here, --methods, --reference, --max-memory-gb and "
              "--plot do not apply (and are refused)")
     add("--decode", action="store_true",
-        help="instead: time one decoding step (linear_attention_step, LinearMixer) against its bare update, "
+        help="instead: time one decoding step (linear_attention_step, the compiled CPU loop on one token, LinearMixer) against its bare update, "
              "B=--batch, H=--heads (default 8), D=--head-dim, float32, no grad, on the CPU; pin --threads 1")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")

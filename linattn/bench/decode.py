@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import linear_attention_step
+from ..attention import linear_attention, linear_attention_step
+from ..backends import use_backends
 from ..layers import LinearMixer
 from .timing import paired_ratios
 
 __all__ = ["bare_linear_attention_step", "bare_mixer_step", "run_decode_benchmark", "format_decode_table"]
 
-SUBJECTS = ("linear_attention_step", "LinearMixer")
+SUBJECTS = ("linear_attention_step", "compiled_step", "LinearMixer")
 
 
 def bare_linear_attention_step(q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,7 +59,14 @@ def _pairs(batch: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int)
     mixer = LinearMixer(heads * head_dim, heads).to(dtype)
     x = torch.randn(batch, 1, heads * head_dim, generator=g, dtype=dtype)
     mixer_state = mixer(torch.randn(batch, 4, heads * head_dim, generator=g, dtype=dtype), return_state=True)[1]
+    def compiled_step():
+        """One token through the compiled CPU loop: ``linear_attention`` on T = 1 from the state."""
+        with use_backends("cpu"):
+            return linear_attention(q[:, :, None], k[:, :, None], v[:, :, None], causal=True, initial_state=state,
+                                    return_state=True)
+
     return {
+        "compiled_step": (compiled_step, lambda: bare_linear_attention_step(q, k, v, state.S, state.z)),
         "linear_attention_step": (lambda: linear_attention_step(q, k, v, state),
                                   lambda: bare_linear_attention_step(q, k, v, state.S, state.z)),
         "LinearMixer": (lambda: mixer(x, state=mixer_state, return_state=True),
@@ -88,12 +96,34 @@ def _round(fn, bare, calls: int) -> tuple[float, float]:
 def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
                          repeats: int = 21, calls: Optional[dict] = None, warmup: int = 20, seed: int = 0,
                          subjects: Sequence[str] = SUBJECTS) -> list[dict]:
-    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU."""
-    calls = {"linear_attention_step": 200, "LinearMixer": 20, **(calls or {})}
+    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU.
+
+    Subjects: ``linear_attention_step``; ``compiled_step`` (the same token through the compiled CPU loop,
+    ``linear_attention`` on T = 1 from the state under ``use_backends("cpu")``; skipped with a row whose
+    ``status`` says why where the CPU kernel is not available or the dtype is not float32/float64); and
+    ``LinearMixer`` (one token of the default gated-delta layer). The first two share the bare update of
+    :func:`bare_linear_attention_step`, so their ratios compare directly.
+
+    Raises
+    ------
+    ValueError
+        An unknown subject.
+    """
+    from ..kernels.cpu import build_info, cpu_kernel_available
+
+    for name in subjects:
+        if name not in SUBJECTS:
+            raise ValueError(f"unknown decode subject {name!r}; expected one of {SUBJECTS}")
+    calls = {"linear_attention_step": 200, "compiled_step": 200, "LinearMixer": 20, **(calls or {})}
     rows = []
     with torch.no_grad():
         pairs = _pairs(batch, heads, head_dim, dtype, seed)
         for name in subjects:
+            if name == "compiled_step" and not (cpu_kernel_available() and dtype in (torch.float32, torch.float64)):
+                why = (f"{dtype} is not float32/float64" if cpu_kernel_available()
+                       else f"the CPU kernel is not available ({build_info().get('error')})")
+                rows.append({"subject": name, "status": f"skipped: {why}"})
+                continue
             fn, bare = pairs[name]
             for _ in range(warmup):
                 fn(), bare()
@@ -102,7 +132,7 @@ def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, 
                 t, t_bare = _round(fn, bare, calls[name])
                 times.append(t)
                 bare_times.append(t_bare)
-            rows.append({"subject": name, "batch": batch, "heads": heads, "head_dim": head_dim,
+            rows.append({"subject": name, "status": "ok", "batch": batch, "heads": heads, "head_dim": head_dim,
                          "clock": "thread CPU time" if _clock() is time.thread_time else "wall time",
                          "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                          "times": times, "bare_times": bare_times, "median_s": sorted(times)[len(times) // 2],
@@ -113,6 +143,10 @@ def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, 
 
 def format_decode_table(rows: Sequence[dict]) -> str:
     """The rows of :func:`run_decode_benchmark` as a table: µs per call and the ratio's median [min, max]."""
+    skipped = [r for r in rows if r.get("status", "ok") != "ok"]
+    rows = [r for r in rows if r.get("status", "ok") == "ok"]
+    if not rows:
+        return "\n".join(f"{r['subject']}: {r['status']}" for r in skipped)
     first = rows[0]
     lines = [f"decode step, B={first['batch']} H={first['heads']} D={first['head_dim']} {first['dtype']}, no grad, "
              f"{first['threads']} thread(s), {len(first['times'])} rounds, {first.get('clock', 'wall time')}",
@@ -121,4 +155,9 @@ def format_decode_table(rows: Sequence[dict]) -> str:
         ratio = r["ratio"]
         lines.append(f"{r['subject']:<23}{1e6 * r['median_s']:>11.1f}{1e6 * r['bare_median_s']:>11.1f}   "
                      f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
+    by = {r["subject"]: r for r in rows}
+    if {"compiled_step", "linear_attention_step"} <= by.keys():
+        lines.append(f"compiled_step / linear_attention_step (medians over the same bare update): "
+                     f"{by['compiled_step']['ratio']['median'] / by['linear_attention_step']['ratio']['median']:.2f}")
+    lines += [f"{r['subject']}: {r['status']}" for r in skipped]
     return "\n".join(lines)
