@@ -212,11 +212,17 @@ def linear_attention(
     return (out, state) if return_state else out
 
 
+def _state_tensors(state) -> tuple:
+    """``(S, z)`` of a state (``(None, None)`` without one): a gradient through them needs a backward pass too."""
+    return tuple(t if isinstance(t, torch.Tensor) else None for t in (getattr(state, "S", None), getattr(state, "z", None)))
+
+
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
                       return_state, acc):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
     if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
-            and backends.select("linear_attention", q.to(acc), k, v, chunk_size=chunk_size) == "cpu"):
+            and backends.select("linear_attention", q.to(acc), k, v, *_state_tensors(initial_state),
+                                chunk_size=chunk_size) == "cpu"):
         return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
     phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
@@ -229,7 +235,8 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     Dv = v.shape[-1]
     state0 = check_initial_state(initial_state, B, H, M, Dv, acc, q.device)
     if method == "chunk":
-        backend = backends.select("linear_attention", phi_q, phi_k, v32, chunk_size=chunk_size)
+        backend = backends.select("linear_attention", phi_q, phi_k, v32, *_state_tensors(state0),
+                                  chunk_size=chunk_size)
         if backend == "triton":
             fused = _fused_chunk(phi_q, phi_k, v32, state0, chunk_size, q.dtype)
             # A NaN/inf anywhere makes the state non-finite: then the PyTorch path below keeps it causal.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from typing import Iterator, Optional
 
@@ -22,8 +23,15 @@ OPS = {                                   # the backends that implement each op'
     "gated_delta_rule": ("cpu", "torch"),
 }
 
-_pinned: list[tuple[tuple[str, ...], bool]] = []   # (order, calibrated) of the enclosing use_backends blocks
-_last: list[Optional[str]] = [None]
+
+
+class _PerThread(threading.local):
+    """The (order, calibrated) pairs of the enclosing use_backends blocks and the last backend that ran, per thread."""
+    pinned: tuple = ()
+    last: Optional[str] = None
+
+
+_state = _PerThread()
 _calibrator: list = [None]                # measures the compiled loops (linattn.calibrate, set on import)
 _triton_failure: list[str] = []           # why the Triton kernel failed in this process (then never again)
 
@@ -43,7 +51,8 @@ def _default_calibrated() -> bool:
 
 def enabled_backends() -> tuple[str, ...]:
     """The order in force: the innermost :func:`use_backends` block's, else :func:`default_backends`."""
-    return _pinned[-1][0] if _pinned else default_backends()
+    pinned = _state.pinned
+    return pinned[-1][0] if pinned else default_backends()
 
 
 def set_cpu_calibrator(fn) -> None:
@@ -76,16 +85,18 @@ def use_backends(*backends: str, calibrated: bool = False) -> Iterator[tuple[str
             raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
     if not isinstance(calibrated, bool):
         raise TypeError(f"calibrated must be a bool, got {type(calibrated).__name__}")
-    _pinned.append((tuple(dict.fromkeys(backends)), calibrated))
+    order = tuple(dict.fromkeys(backends))
+    outer = _state.pinned
+    _state.pinned = outer + ((order, calibrated),)
     try:
-        yield _pinned[-1][0]
+        yield order
     finally:
-        _pinned.pop()
+        _state.pinned = outer
 
 
 def last_backend() -> Optional[str]:
     """The backend that ran the most recent chunk method in this process (None before the first)."""
-    return _last[0]
+    return _state.last
 
 
 def select(op: str, *tensors: Optional[torch.Tensor], chunk_size: Optional[int] = None) -> str:
@@ -97,8 +108,9 @@ def select(op: str, *tensors: Optional[torch.Tensor], chunk_size: Optional[int] 
     RuntimeError
         Inside :func:`use_backends` without ``"torch"``, when no listed backend can run the call.
     """
-    pinned = bool(_pinned)
-    calibrated = _pinned[-1][1] if pinned else _default_calibrated()
+    stack = _state.pinned
+    pinned = bool(stack)
+    calibrated = stack[-1][1] if pinned else _default_calibrated()
     refused = []
     for name in enabled_backends():
         why = (f"does not implement {op}" if name not in OPS[op]
@@ -113,7 +125,7 @@ def select(op: str, *tensors: Optional[torch.Tensor], chunk_size: Optional[int] 
 
 def _record(name: str) -> None:
     if not torch.compiler.is_compiling():
-        _last[0] = name
+        _state.last = name
 
 
 def _why_not(name: str, op: str, tensors, chunk_size: Optional[int], pinned: bool, calibrated: bool) -> Optional[str]:

@@ -36,11 +36,11 @@ def _calls(p: dict) -> dict:
     """Each op on one seeded problem: a function of ``backward`` that runs it once."""
     g = torch.Generator().manual_seed(p["seed"])
     B, H, T, D = p["batch"], p["heads"], p["seq_len"], p["head_dim"]
-    q, k, v, w = (torch.randn(B, H, T, D, generator=g) for _ in range(4))          # (B, H, T, D)
+    q, k, v, w = (torch.randn(B, H, T, D, generator=g, dtype=torch.float32) for _ in range(4))  # (B, H, T, D)
     unit_k = F.normalize(k, dim=-1)
-    beta = torch.rand(B, H, T, generator=g)                                        # (B, H, T)
-    log_a = F.logsigmoid(torch.randn(B, H, T, generator=g) + 4)                    # (B, H, T)
-    log_g = F.logsigmoid(torch.randn(B, H, T, D, generator=g)) / 16                # (B, H, T, D)
+    beta = torch.rand(B, H, T, generator=g, dtype=torch.float32)                               # (B, H, T)
+    log_a = F.logsigmoid(torch.randn(B, H, T, generator=g, dtype=torch.float32) + 4)           # (B, H, T)
+    log_g = F.logsigmoid(torch.randn(B, H, T, D, generator=g, dtype=torch.float32)) / 16       # (B, H, T, D)
     gamma = 1 - 2.0 ** -(5 + torch.arange(H, dtype=torch.float32))                 # (H,)
     ops = {
         "linear_attention": lambda q_, k_, v_: linear_attention(q_, k_, v_, causal=True, method="chunk"),
@@ -74,8 +74,9 @@ def _time_pair(run, backward: bool, rounds: int, clock) -> dict:
                 times[name].append(clock() - start)
     compiled, pytorch = times["cpu"][1:], times["torch"][1:]
     ratio = statistics.median(t / c for t, c in zip(pytorch, compiled))
-    return {"compiled_s": statistics.median(compiled), "torch_s": statistics.median(pytorch),
-            "torch_over_compiled": round(ratio, 3), "compiled_faster": ratio > 1.0}
+    compiled_s, torch_s = statistics.median(compiled), statistics.median(pytorch)
+    return {"compiled_s": compiled_s, "torch_s": torch_s, "torch_over_compiled": round(ratio, 3),
+            "compiled_faster": ratio > 1.0 and compiled_s < torch_s}   # both ways of reading the rounds agree
 
 
 def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False) -> dict:
@@ -113,11 +114,12 @@ def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False)
             return have
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
-        try:
-            clock = time.thread_time if threads == 1 else time.perf_counter
-            results = {op: {name: _time_pair(run, backward, PROBLEM["rounds"], clock)
-                            for name, backward in zip(calibration.PASSES, (False, True))}
-                       for op, run in _calls(PROBLEM).items()}
+        try:                   # inside the caller's no_grad or inference_mode, the backward passes need grad
+            with torch.inference_mode(False), torch.enable_grad():
+                clock = time.thread_time if threads == 1 else time.perf_counter
+                results = {op: {name: _time_pair(run, backward, PROBLEM["rounds"], clock)
+                                for name, backward in zip(calibration.PASSES, (False, True))}
+                           for op, run in _calls(PROBLEM).items()}
         finally:
             torch.set_num_threads(previous)
         about = {"problem": PROBLEM, "build": {k: v for k, v in build_info().items() if k != "path"},
@@ -136,6 +138,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.threads):
         parser.error(f"--threads must be positive, got {args.threads}")
+    args.threads = list(dict.fromkeys(args.threads))
+    if not cpu_kernel_available():
+        parser.exit(1, f"python -m linattn.calibrate: the CPU kernel is not available here "
+                       f"({build_info().get('error')})\n")
     doc = {}
     for n in args.threads:
         doc = calibrate_cpu_kernels(n, force=args.force)

@@ -90,7 +90,7 @@ def test_calibrate_cpu_kernels_times_both_forms_and_caches_the_verdicts(own_cali
         for p in calibration.PASSES:
             rec = doc["threads"]["1"][op][p]
             assert rec["compiled_s"] > 0 and rec["torch_s"] > 0
-            assert rec["compiled_faster"] == (rec["torch_over_compiled"] > 1)
+            assert rec["compiled_faster"] == (rec["torch_over_compiled"] > 1 and rec["compiled_s"] < rec["torch_s"])
             assert calibration.verdict(op, p == "forward+backward", 1) == rec["compiled_faster"]
     assert doc["problem"]["seq_len"] == 16 and "flags" in doc["build"]
     stamp = calibration.calibration_path().stat().st_mtime_ns
@@ -142,3 +142,73 @@ def test_the_command_prints_every_op_and_pass(own_calibration, capsys):
     assert calibrate.main(["--threads", str(torch.get_num_threads())]) == 0
     out = capsys.readouterr().out
     assert out.count("  compiled\n") == 2 * len(backends.OPS) and "gated_delta_rule" in out
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '{"threads": []}', '{"threads": {"1": 5}}',
+                                     '{"threads": {"1": {"delta_rule": {"forward": {}}}}}',
+                                     '{"threads": {"1": {"delta_rule": {"forward": {"compiled_faster": "false"}}}}}'])
+def test_a_file_that_is_not_a_calibration_counts_as_none(monkeypatch, tmp_path, content):
+    path = tmp_path / "lib.so.calibration.json"
+    path.write_text(content)
+    monkeypatch.setattr(calibration, "calibration_path", lambda: path)
+    monkeypatch.setattr(calibration, "_cache", {})
+    assert calibration.verdict("delta_rule", False, 1) is None
+
+
+def test_an_unwritable_calibration_warns_once_and_keeps_the_verdicts(monkeypatch, tmp_path):
+    folder = tmp_path / "lib.so.calibration.json"
+    folder.mkdir()                                       # a folder where the file should be: os.replace fails
+    monkeypatch.setattr(calibration, "calibration_path", lambda: folder)
+    monkeypatch.setattr(calibration, "_cache", {})
+    monkeypatch.setattr(calibration, "_unwritable", set())
+    results = {"delta_rule": {p: {"compiled_faster": True} for p in calibration.PASSES}}
+    with pytest.warns(RuntimeWarning, match="could not be saved"):
+        calibration.save_calibration(1, results, {})
+    assert calibration.verdict("delta_rule", True, 1) is True
+    assert list(tmp_path.iterdir()) == [folder] and not any(folder.iterdir())   # no temporary file left
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibration.save_calibration(1, results, {})     # warned once
+
+
+@needs_kernel
+def test_a_first_call_under_inference_mode_calibrates(own_calibration, monkeypatch):
+    calls = []
+    monkeypatch.setattr(backends, "_calibrator", [lambda n: calls.append(n) or calibrate.calibrate_cpu_kernels(n)])
+    monkeypatch.setattr(calibrate, "PROBLEM", {**calibrate.PROBLEM, "seq_len": 32, "heads": 1, "rounds": 1})
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    q, k, v = _qkv(grad=False)
+    with torch.inference_mode():
+        out = linattn.linear_attention(q, k, v, causal=True)
+    assert calls and torch.isfinite(out).all()
+
+
+@needs_kernel
+def test_a_gradient_through_the_initial_state_alone_follows_the_backward_verdict(own_calibration, monkeypatch):
+    own_calibration({(op, p): p == "forward" for op in backends.OPS for p in calibration.PASSES})
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    q, k, v = _qkv(grad=False)
+    state = linattn.linear_attention(q, k, v, causal=True, return_state=True)[1]
+    state = type(state)(state.S.clone().requires_grad_(), state.z.clone().requires_grad_())
+    linattn.linear_attention(q, k, v, causal=True, initial_state=state)
+    assert backends.last_backend() == "torch"
+
+
+def test_use_backends_pins_only_the_calling_thread():
+    import threading
+    seen = []
+    inside, release = threading.Event(), threading.Event()
+
+    def pinned():
+        with backends.use_backends("cpu", "torch"):
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=pinned)
+    t.start()
+    inside.wait(5)
+    seen.append(backends.enabled_backends())
+    release.set()
+    t.join()
+    assert seen == [backends.default_backends()]

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
              "--plot do not apply (and are refused)")
     add("--decode", action="store_true",
         help="instead: time one decoding step (linear_attention_step, the compiled CPU loop on one token, LinearMixer) against its bare update, "
-             "B=--batch, H=--heads (default 8), D=--head-dim, float32, no grad, on the CPU; pin --threads 1")
+             "B=--batch, H=--heads (default 8), D=--head-dim, --dtype, no grad, on the CPU; pin --threads 1")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
     add("--no-recurrent", action="store_true",
@@ -199,7 +199,8 @@ def _main_decode(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int
     """``python -m linattn.bench --decode``: the table of :func:`run_decode_benchmark` (and JSON)."""
     settings = dict(batch=args.batch, heads=args.heads or 8, head_dim=args.head_dim, repeats=args.repeats,
                     seed=args.seed)
-    rows = run_decode_benchmark(**settings)
+    rows = run_decode_benchmark(**settings, dtype=DTYPES[args.dtype])
+    settings["dtype"] = args.dtype
     print(format_decode_table(rows))
     if args.json is not None:
         metadata = machine_info(torch.device("cpu"))

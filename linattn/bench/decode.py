@@ -157,7 +157,7 @@ def format_decode_table(rows: Sequence[dict]) -> str:
                      f"{ratio['median']:.2f} [{ratio['min']:.2f}, {ratio['max']:.2f}]")
     by = {r["subject"]: r for r in rows}
     if {"compiled_step", "linear_attention_step"} <= by.keys():
-        lines.append(f"compiled_step / linear_attention_step (medians over the same bare update): "
-                     f"{by['compiled_step']['ratio']['median'] / by['linear_attention_step']['ratio']['median']:.2f}")
+        lines.append(f"compiled_step / linear_attention_step, their median times (separate rounds): "
+                     f"{by['compiled_step']['median_s'] / by['linear_attention_step']['median_s']:.2f}")
     lines += [f"{r['subject']}: {r['status']}" for r in skipped]
     return "\n".join(lines)

@@ -89,7 +89,7 @@ def test_the_decode_table_compares_the_two_steps_and_names_skipped_subjects():
                                "ratio": {"median": ratio, "min": ratio, "max": ratio}}
     text = bench.format_decode_table([row("linear_attention_step", 1.5), row("compiled_step", 3.0),
                                       {"subject": "LinearMixer", "status": "skipped: why"}])
-    assert "compiled_step / linear_attention_step (medians over the same bare update): 2.00" in text
+    assert "compiled_step / linear_attention_step, their median times (separate rounds): 2.00" in text
     assert "LinearMixer: skipped: why" in text
 
 

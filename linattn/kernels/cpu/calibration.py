@@ -13,6 +13,7 @@ import os
 import pathlib
 import tempfile
 import threading
+import warnings
 from typing import Optional
 
 from . import runtime
@@ -23,6 +24,7 @@ PASSES = ("forward", "forward+backward")
 
 _lock = threading.Lock()
 _cache: dict = {}          # path -> the file's content, read once per process
+_unwritable: set = set()   # paths already warned about
 
 
 def calibration_path() -> Optional[pathlib.Path]:
@@ -41,17 +43,22 @@ def load_calibration() -> dict:
     key = str(path)
     if key not in _cache:
         try:
-            _cache[key] = json.loads(path.read_text())
+            doc = json.loads(path.read_text())
         except (OSError, ValueError):
             return {}
+        _cache[key] = doc if isinstance(doc, dict) else {}
     return _cache[key]
 
 
 def verdict(op: str, backward: bool, threads: int) -> Optional[bool]:
-    """Whether the compiled loop of ``op`` was the faster with ``threads`` threads (None: not calibrated)."""
-    entry = load_calibration().get("threads", {}).get(str(threads), {}).get(op, {})
-    record = entry.get(PASSES[bool(backward)])
-    return None if record is None else bool(record["compiled_faster"])
+    """Whether the compiled loop of ``op`` was the faster with ``threads`` threads (None: not calibrated, or a
+    file whose content is not a calibration)."""
+    doc = load_calibration()
+    try:
+        faster = doc["threads"][str(threads)][op][PASSES[bool(backward)]]["compiled_faster"]
+    except (KeyError, TypeError, IndexError):
+        return None
+    return faster if isinstance(faster, bool) else None
 
 
 def save_calibration(threads: int, results: dict, about: dict) -> dict:
@@ -64,11 +71,23 @@ def save_calibration(threads: int, results: dict, about: dict) -> dict:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             doc = {}
+        if not isinstance(doc, dict) or not isinstance(doc.get("threads", {}), dict):
+            doc = {}
         doc.update(about)
         doc.setdefault("threads", {})[str(threads)] = results
-        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)              # atomic: another process may read it meanwhile
-        _cache[str(path)] = doc
+        _cache[str(path)] = doc            # this process keeps the verdicts even if the file cannot be written
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(tmp, path)          # atomic: another process may read it meanwhile
+        except OSError as err:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            if str(path) not in _unwritable:
+                _unwritable.add(str(path))
+                warnings.warn(f"linattn: the CPU kernels' calibration could not be saved to {path} ({err}); "
+                              "this process keeps its verdicts, the next one calibrates again", RuntimeWarning,
+                              stacklevel=2)
     return doc
