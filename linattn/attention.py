@@ -214,7 +214,8 @@ def linear_attention(
 
 def _state_tensors(state) -> tuple:
     """``(S, z)`` of a state (``(None, None)`` without one): a gradient through them needs a backward pass too."""
-    return tuple(t if isinstance(t, torch.Tensor) else None for t in (getattr(state, "S", None), getattr(state, "z", None)))
+    items = state if isinstance(state, (tuple, list)) else (getattr(state, "S", None), getattr(state, "z", None))
+    return tuple(t if isinstance(t, torch.Tensor) else None for t in items)
 
 
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,

@@ -8,6 +8,7 @@ the fallback tests (which need no compiler) still run.
 from __future__ import annotations
 
 import math
+import shutil
 import warnings
 
 import pytest
@@ -324,3 +325,24 @@ def test_the_direct_entry_point_checks_the_state_normalize_and_eps():
     for eps in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps"):
             cpu.causal_linear_attention_cpu(q, k, v, eps=eps)
+
+
+def test_a_build_for_a_target_the_compiler_refuses_warns_and_builds_without_it(monkeypatch, tmp_path):
+    fake = tmp_path / "fake-c++"                     # fails whenever -march is given, else hands over to c++
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *-march=*) echo 'bad -march value' >&2; exit 1;; esac\n"
+                    "exec c++ \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(cpu_runtime, "_state", {})
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LINATTN_CPU_MARCH", "notacpu")
+    if shutil.which("c++") is None:
+        pytest.skip("no c++ to hand over to")
+    with pytest.warns(RuntimeWarning, match="could not be built for the target asked for.*bad -march value"):
+        assert cpu.cpu_kernel_available() is True
+    assert not any(f.startswith("-march") for f in cpu.build_info()["flags"])
+
+
+def test_an_empty_march_means_native(monkeypatch):
+    monkeypatch.setenv("LINATTN_CPU_MARCH", "")
+    assert cpu.target_flags() == ["-march=native"]

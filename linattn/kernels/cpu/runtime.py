@@ -49,15 +49,15 @@ def build_info() -> dict:
 
 
 def target_flags() -> list[str]:
-    """The instruction-set flag of the build: ``-march=$LINATTN_CPU_MARCH`` (default ``native``, this CPU).
+    """The instruction-set flag of the build: ``-march=$LINATTN_CPU_MARCH`` (unset or empty: ``native``, this CPU).
 
     Raises
     ------
     ValueError
         ``LINATTN_CPU_MARCH`` set to something that is not one compiler word (letters, digits, ``-._``).
     """
-    march = os.environ.get("LINATTN_CPU_MARCH", "native")
-    if not march or not all(ch.isalnum() or ch in "-._" for ch in march):
+    march = os.environ.get("LINATTN_CPU_MARCH", "").strip() or "native"
+    if not all(ch.isalnum() or ch in "-._" for ch in march):
         raise ValueError(f"LINATTN_CPU_MARCH must name one target of the compiler's -march= (e.g. native, "
                          f"haswell, x86-64-v3), got {march!r}")
     return [f"-march={march}"]
@@ -129,6 +129,10 @@ def _library():
                     break
                 except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as err:
                     errors.append(f"{' '.join(flags)}: {err}")
+        if lib is not None and errors and compiler is not None:      # the targeted build failed, the plain one ran
+            warnings.warn(f"linattn: the CPU kernels could not be built for the target asked for "
+                          f"({errors[0]}); built without -march instead (generic vectors, slower)",
+                          RuntimeWarning, stacklevel=2)
         if lib is not None:
             _state["vector_bytes"] = lib.linattn_vector_bytes()          # chosen by the compiler's target
             _state["info"]["vector_bytes"] = _state["vector_bytes"]
