@@ -151,6 +151,14 @@ def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
     return x
 
 
+def check_scale(scale, dtype: torch.dtype) -> Optional[float]:
+    """``scale`` of the linear ops: None (or 1: nothing to multiply) or a positive normal number of ``dtype``."""
+    if scale is None:
+        return None
+    scale = check_positive_float(scale, "scale", dtype)
+    return None if scale == 1 else scale
+
+
 def check_attention_mask(mask, k: Tensor) -> Optional[Tensor]:
     """``mask`` is None or a (batch, seq_k) mask for ``k``; returns it as a bool tensor (True = real token)."""
     return attention_mask_as_bool(mask, k.shape[0], k.shape[2], k.device)

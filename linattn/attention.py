@@ -110,6 +110,7 @@ def linear_attention(
     attention_mask: Optional[Tensor] = None,
     initial_state: Optional[LinearAttentionState] = None,
     return_state: bool = False,
+    scale: Optional[float] = None,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Linear attention: softmax's similarity replaced by ``φ(q)ᵀφ(k)``.
 
@@ -157,6 +158,10 @@ def linear_attention(
         State to start from: ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)``.
     return_state : bool
         Also return the state after the last key (``initial_state`` included).
+    scale : float, optional
+        Multiplies ``q`` before φ (after φ it would cancel in the normalised output). None (the
+        default) means 1: linattn scales nothing unless asked, unlike PyTorch's SDPA and
+        flash-linear-attention, whose default is ``D ** -0.5``.
 
     Returns
     -------
@@ -189,8 +194,9 @@ def linear_attention(
         ``chunk_size < 1``; ``eps <= 0`` or ``eps`` outside the normal range of the
         computation dtype (float32 for half inputs); a position-dependent feature map
         (cosFormer) with ``initial_state``, or without a fixed ``max_len`` in a causal call
-        or with ``Tq != Tk``. Under ``torch.compile`` the value checks on tensor data (an
-        integer mask's values) run inside the graph and raise RuntimeError.
+        or with ``Tq != Tk``; ``scale`` not a positive normal number. Under ``torch.compile`` the
+        value checks on tensor data (an integer mask's values) run inside the graph and raise
+        RuntimeError.
     """
     _checks.check_qkv(q, k, v, causal=causal)
     causal = _checks.check_bool(causal, "causal")
@@ -199,6 +205,7 @@ def linear_attention(
     acc = _checks.accumulation_dtype(q.dtype)
     eps = _checks.check_eps(eps, acc)
     chunk_size = _checks.check_chunk_size(chunk_size)
+    scale = _checks.check_scale(scale, acc)
     attention_mask = _checks.check_attention_mask(attention_mask, k)
     method = resolve_linear_attention_method(method, causal)
     phi = resolve_feature_map(feature_map)
@@ -206,19 +213,20 @@ def linear_attention(
                                      same_length=q.shape[2] == k.shape[2], caller="linear_attention")
     with no_autocast(q.device):
         out, state = _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask,
-                                       initial_state, return_state, acc)
+                                       initial_state, return_state, acc, scale)
     out = out.to(q.dtype)
     return (out, state) if return_state else out
 
 
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
-                      return_state, acc):
+                      return_state, acc, scale=None):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
+    q_acc = q.to(acc) if scale is None else q.to(acc) * scale             # scaled before φ
     if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
-            and backends.select("linear_attention", q.to(acc), k, v, chunk_size=chunk_size) == "cpu"):
-        return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
+            and backends.select("linear_attention", q_acc, k, v, chunk_size=chunk_size) == "cpu"):
+        return _cpu_chunk(q_acc, k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
-    phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
+    phi_q, phi_k = _checks.apply_feature_map(phi, q_acc, k.to(acc))       # (B, H, T, M)
     v32 = v.to(acc)
     if attention_mask is not None:                                         # mask after φ; padded keys
         keep = attention_mask[:, None, :, None]                            # and values contribute 0,
@@ -317,6 +325,7 @@ def linear_attention_step(
     feature_map: "str | FeatureMap | None" = "elu+1",
     normalize: bool = True,
     eps: float = 1e-6,
+    scale: Optional[float] = None,
 ) -> tuple[Tensor, LinearAttentionState]:
     """Causal linear attention for one new token: update the state, then read it with the query.
 
@@ -341,6 +350,8 @@ def linear_attention_step(
     eps : float
         Used in place of a normaliser that is zero, negative or not finite, as in
         :func:`linattn.linear_attention`; a positive normaliser is used as it is.
+    scale : float, optional
+        Multiplies ``q`` before φ, as in :func:`linattn.linear_attention` (None: 1).
 
     Returns
     -------
@@ -356,7 +367,7 @@ def linear_attention_step(
         ``S``/``z`` are not floating tensors.
     ValueError
         Wrong ranks, an empty dimension, mismatched (B, H, D), a state whose shapes, dtypes or
-        device do not match, ``eps`` not a positive normal number of the computation dtype, a
+        device do not match, ``eps`` or ``scale`` not a positive normal number of the computation dtype, a
         position-dependent feature map (cosFormer), a feature map whose output has other
         leading dimensions or lives on another device.
     """
@@ -370,12 +381,15 @@ def linear_attention_step(
         if plain and len(_STEP_OPTIONS) < 64:
             _STEP_OPTIONS[key] = options
     phi, normalize, eps, acc = options
+    dtype = q.dtype
+    if scale is not None and _checks.check_scale(scale, acc) is not None:
+        q = q.to(acc) * scale                                            # before φ
     if q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compiling():
         out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)      # nothing to switch off
     else:
         with no_autocast(q.device):
             out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), LinearAttentionState._unchecked(S, z)
+    return (out if out.dtype == dtype else out.to(dtype)), LinearAttentionState._unchecked(S, z)
 
 
 _STEP_OPTIONS: dict = {}

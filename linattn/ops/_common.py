@@ -24,20 +24,27 @@ class Prepared:
 
     __slots__ = ("q", "k", "v", "S0", "acc", "method", "chunk_size", "return_state")
 
+    def per_token(self, x: Tensor) -> Tensor:
+        """A checked gate or ``β`` ``(B, HV, T[, Dk])`` in the accumulation dtype."""
+        return x.to(self.acc)
 
-def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state) -> Prepared:
+
+def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale=None) -> Prepared:
+    """The arguments every decay op shares, checked; ``q`` scaled (before φ)."""
     _checks.check_qkv(q, k, v, causal=True, causal_only=name, grouped_values=True)
     p = Prepared()
     p.return_state = _checks.check_bool(return_state, "return_state")
     p.chunk_size = _checks.check_chunk_size(chunk_size)
     p.method = resolve_decay_method(method)
     p.acc = _checks.accumulation_dtype(q.dtype)
+    scale = _checks.check_scale(scale, p.acc)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
                                      caller=name)
     with no_autocast(q.device):
-        p.q, p.k = _checks.apply_feature_map(phi, q.to(p.acc), k.to(p.acc))  # (B, H, T, Dk)
-    p.v = v.to(p.acc)                                                       # (B, H, T, Dv)
+        q = q.to(p.acc) if scale is None else q.to(p.acc) * scale
+        p.q, p.k = _checks.apply_feature_map(phi, q, k.to(p.acc))            # (B, H, T, Dk)
+        p.v = v.to(p.acc)                                                     # (B, HV, T, Dv)
     B, _, _, Dk = p.k.shape
     p.S0 = check_state(initial_state, (B, v.shape[1], Dk, v.shape[-1]), p.acc, q.device)
     return p
@@ -74,14 +81,17 @@ def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device) -> O
 
 
 def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor, extra: str = "") -> None:
-    """``x`` is a tensor of shape ``expected`` with q's dtype and device."""
+    """``x`` is a tensor of shape ``expected`` on q's device, in q's dtype or the accumulation dtype
+    (float32 gates with half q, k, v)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout} = {_checks.shape_str(expected)}, "
                         f"got {_checks.type_name(x)}")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.dtype != q.dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}; they must match")
+    acc = _checks.accumulation_dtype(q.dtype)
+    if x.dtype not in (q.dtype, acc):
+        also = f" or {acc} (the dtype the computation runs in)" if acc != q.dtype else ""
+        raise TypeError(f"{name} has dtype {x.dtype} but q has dtype {q.dtype}; it must be q's dtype{also}")
     if tuple(x.shape) != expected:
         raise ValueError(
             f"{name} must have shape {layout} = {_checks.shape_str(expected)}{extra}, "
@@ -91,24 +101,31 @@ def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor
         raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
 
 
-def run(p: "Prepared", recurrent: Callable[[], tuple[Tensor, Tensor]],
-        chunk: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """The chosen algorithm; the chunk form ``chunk(q, k, v) -> (out, S)`` keeps non-finite values causal."""
-    if p.method == "recurrent":
+def run(p: "Prepared", recurrent: Callable[..., tuple[Tensor, Tensor]],
+        chunk: Callable[..., tuple[Tensor, Tensor]], *per_token: Tensor) -> tuple[Tensor, Tensor]:
+    """``recurrent(q, k, v, *per_token, S0)`` or ``chunk(q, k, v, *per_token, S0)`` (per method) on the
+    prepared inputs."""
+    return _run_one(p.method, recurrent, chunk, p.q, p.k, p.v, *per_token, p.S0)
+
+
+def _run_one(method, recurrent, chunk, q, k, v, *rest) -> tuple[Tensor, Tensor]:
+    """The chosen algorithm; the chunk form keeps non-finite values causal."""
+    *gates, S0 = rest
+    if method == "recurrent":
         backends._record("torch")
-        return recurrent()
+        return recurrent(q, k, v, *gates, S0)
     if not compiling():
-        out, S = chunk(p.q, p.k, p.v)
+        out, S = chunk(q, k, v, *gates, S0)
         if all_finite(S):
             return out, S
-    poison = CausalPoison(p.q, p.k, p.v)
-    out, S = chunk(poison.q, poison.k, poison.v)
+    poison = CausalPoison(q, k, v)
+    out, S = chunk(poison.q, poison.k, poison.v, *gates, S0)
     if not compiling() and not all_finite(S):
         # Finite inputs whose chunk form overflowed (a diverging recurrence, e.g. the delta rule
         # with unnormalised keys): an infinity in a later row would reach earlier rows through the
         # zeros of the causal masks, so the token loop, causal by construction, gives the answer.
         backends._record("torch")
-        return recurrent()
+        return recurrent(q, k, v, *gates, S0)
     return poison.outputs(out), poison.state(S)
 
 

@@ -27,6 +27,7 @@ def retention(
     method: str = "auto",
     chunk_size: int = 64,
     feature_map: Union[str, FeatureMap, None] = None,
+    scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
 ) -> Result:
@@ -56,6 +57,10 @@ def retention(
     feature_map : str, callable or None
         φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
         (the default) uses them as given.
+    scale : float, optional
+        Multiplies ``q`` before anything else (before ``feature_map``). None (the default)
+        means 1: linattn scales nothing unless asked, unlike PyTorch's SDPA and
+        flash-linear-attention, whose default is ``D ** -0.5`` (pass that for theirs).
     initial_state : Tensor, optional
         ``(B, HV, Dk, Dv)``, the state ``S0`` before the first token (``Dk = D``, or the
         feature dimension of φ), for instance the state returned by an earlier call.
@@ -68,23 +73,24 @@ def retention(
         ``(B, HV, T, Dv)`` in the dtype of ``q``. Computed in float32 for float16/bfloat16
         inputs (float64 for float64).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)`` in float32 (float64 for float64
-        inputs). Resuming from it with the rest of a sequence equals one run.
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` in float32 (float64 for float64 inputs). Resuming from it with the rest of a sequence
+        equals one run.
 
     Raises
     ------
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a ``gamma`` that is neither a real
-        number nor a floating tensor; a non-str method; a non-int chunk size; a non-bool
-        flag; an ``initial_state`` that is not a floating tensor.
+        number nor a floating tensor; a non-str method; a non-int chunk size; a non-numeric
+        scale; a non-bool flag; an ``initial_state`` that is not a floating tensor.
     ValueError
-        Wrong ranks or shapes, an empty dimension; ``gamma`` outside ``(0, 1]``, not finite,
-        or a tensor not of shape ``(HV,)`` or on another device; an unknown method;
-        ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; features of
-        another shape or device than their inputs; a position-dependent feature map
-        (cosFormer) with ``initial_state`` or without a fixed ``max_len``. Under
-        ``torch.compile`` the checks of tensor values (``gamma``, ``log_g``, ``beta``) run
-        inside the graph and raise RuntimeError with the same message.
+        Wrong ranks or shapes (``v``'s heads not a multiple of ``q``'s), an empty dimension;
+        ``gamma`` outside ``(0, 1]``, not finite, or a tensor not of shape ``(HV,)`` or on
+        another device; an unknown method; ``chunk_size < 1``; ``scale`` not a positive
+        normal number; an ``initial_state`` of the wrong shape or device; features of another
+        shape or device than their inputs; a position-dependent feature map (cosFormer) with
+        ``initial_state`` or without a fixed ``max_len``. Under ``torch.compile`` the checks of
+        tensor values (``gamma``, ``log_g``, ``beta``) run inside the graph and raise
+        RuntimeError with the same message.
 
     Notes
     -----
@@ -92,11 +98,11 @@ def retention(
     an output before ``t`` (in both methods). Autocast is switched off inside: the
     computation keeps the dtypes above under ``torch.autocast``.
     """
-    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale)
     with no_autocast(q.device):
         gamma_t = _check_gamma(gamma, q, v.shape[1], p.acc)
-        out, S = run(p, lambda: recurrent_retention(p.q, p.k, p.v, gamma_t, p.S0),
-                     lambda q, k, v: _chunk(q, k, v, gamma_t, p.S0, p.chunk_size))
+        out, S = run(p, lambda q, k, v, S0: recurrent_retention(q, k, v, gamma_t, S0),
+                     lambda q, k, v, S0: _chunk(q, k, v, gamma_t, S0, p.chunk_size))
     return output_and_state(out, S, q.dtype, p.return_state)
 
 
