@@ -20,17 +20,23 @@ Result = Union[Tensor, tuple[Tensor, Tensor]]
 
 
 class Prepared:
-    """Checked arguments: features φ(q), φ(k) and v in the accumulation dtype, and the rest."""
+    """Checked arguments: features φ(q), φ(k) and v in the accumulation dtype (padding zeroed), and the rest."""
 
-    __slots__ = ("q", "k", "v", "S0", "acc", "method", "chunk_size", "return_state")
+    __slots__ = ("q", "k", "v", "S0", "acc", "method", "chunk_size", "return_state", "mask")
 
     def per_token(self, x: Tensor) -> Tensor:
-        """A checked gate or ``β`` ``(B, HV, T[, Dk])`` in the accumulation dtype."""
-        return x.to(self.acc)
+        """A checked gate or ``β`` ``(B, HV, T[, Dk])`` in the accumulation dtype, 0 at padded positions
+        (no decay, no write)."""
+        x = x.to(self.acc)
+        if self.mask is None:
+            return x
+        real = self.mask[:, None, :] if x.dim() == 3 else self.mask[:, None, :, None]
+        return torch.where(real, x, 0.0)
 
 
-def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale=None) -> Prepared:
-    """The arguments every decay op shares, checked; ``q`` scaled (before φ)."""
+def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale=None,
+            attention_mask=None) -> Prepared:
+    """The arguments every decay op shares, checked; ``q`` scaled (before φ), padding zeroed after φ."""
     _checks.check_qkv(q, k, v, causal=True, causal_only=name, grouped_values=True)
     p = Prepared()
     p.return_state = _checks.check_bool(return_state, "return_state")
@@ -38,6 +44,7 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     p.method = resolve_decay_method(method)
     p.acc = _checks.accumulation_dtype(q.dtype)
     scale = _checks.check_scale(scale, p.acc)
+    p.mask = _checks.check_attention_mask(attention_mask, k)                 # (B, T) bool, True = real token
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
                                      caller=name)
@@ -45,6 +52,9 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
         q = q.to(p.acc) if scale is None else q.to(p.acc) * scale
         p.q, p.k = _checks.apply_feature_map(phi, q, k.to(p.acc))            # (B, H, T, Dk)
         p.v = v.to(p.acc)                                                     # (B, HV, T, Dv)
+        if p.mask is not None:                    # after φ: a padded query reads 0, a padded key writes 0
+            real = p.mask[:, None, :, None]
+            p.q, p.k, p.v = (torch.where(real, x, 0.0) for x in (p.q, p.k, p.v))
     B, _, _, Dk = p.k.shape
     p.S0 = check_state(initial_state, (B, v.shape[1], Dk, v.shape[-1]), p.acc, q.device)
     return p

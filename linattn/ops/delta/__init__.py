@@ -27,6 +27,7 @@ def delta_rule(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """The delta rule (DeltaNet): each token corrects what the state recalls for its key.
 
@@ -65,6 +66,9 @@ def delta_rule(
         ``(B, HV, Dk, Dv)``, the state before the first token.
     return_state : bool
         Also return the state after the last token.
+    attention_mask : Tensor, optional
+        ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
+        state, and its output is 0; as in :func:`retention`.
 
     Returns
     -------
@@ -83,7 +87,8 @@ def delta_rule(
         As :func:`retention`; ``beta`` of the wrong shape, on another device, or with an
         entry outside ``[0, 2]`` (NaN included).
     """
-    p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale)
+    p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
+                attention_mask=attention_mask)
     B, _, T, _ = p.k.shape
     check_like_q(beta, "beta", (B, v.shape[1], T), "(batch, heads, seq)", q)
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)

@@ -28,6 +28,7 @@ def gated_delta_rule(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """The gated delta rule: a decaying state that each token corrects toward its value.
 
@@ -67,6 +68,9 @@ def gated_delta_rule(
         ``(B, HV, Dk, Dv)``, the state before the first token.
     return_state : bool
         Also return the state after the last token.
+    attention_mask : Tensor, optional
+        ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
+        state, and its output is 0; as in :func:`retention`.
 
     Returns
     -------
@@ -93,7 +97,8 @@ def gated_delta_rule(
     Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
     an output before ``t`` (in both methods). Autocast is switched off inside.
     """
-    p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale)
+    p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
+                attention_mask=attention_mask)
     B, _, T, Dk = p.k.shape
     HV = v.shape[1]
     if isinstance(log_g, Tensor) and log_g.dim() == 3:

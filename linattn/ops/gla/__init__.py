@@ -27,6 +27,7 @@ def gated_linear_attention(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """Gated linear attention: a data-dependent decay for every key dimension and token.
 
@@ -55,6 +56,9 @@ def gated_linear_attention(
         ``(B, HV, Dk, Dv)``, the state before the first token.
     return_state : bool
         Also return the state after the last token.
+    attention_mask : Tensor, optional
+        ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
+        state, and its output is 0; as in :func:`retention`.
 
     Returns
     -------
@@ -74,7 +78,7 @@ def gated_linear_attention(
         positive, NaN or infinite entry.
     """
     p = prepare("gated_linear_attention", q, k, v, method, chunk_size, feature_map, initial_state, return_state,
-                scale)
+                scale, attention_mask=attention_mask)
     B, _, T, Dk = p.k.shape
     mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
     check_like_q(log_g, "log_g", (B, v.shape[1], T, Dk), "(batch, heads, seq, key features)", q, extra=mapped)

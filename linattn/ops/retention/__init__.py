@@ -12,6 +12,7 @@ from ... import backends
 from ..._numerics import no_autocast
 from ...feature_maps import FeatureMap
 from .._common import Result, output_and_state, prepare, run, zeros_state
+from ..gla import chunk_gated_linear_attention, recurrent_gated_linear_attention
 from .chunk import chunk_retention
 from .naive import recurrent_retention
 
@@ -30,6 +31,7 @@ def retention(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """Retention: causal linear attention whose state decays by a fixed ``γ`` per head.
 
@@ -66,6 +68,11 @@ def retention(
         feature dimension of φ), for instance the state returned by an earlier call.
     return_state : bool
         Also return the state after the last token.
+    attention_mask : Tensor, optional
+        ``(B, T)`` bool, or integer 0/1: True (1) for real tokens, as Hugging Face's (and
+        :func:`linattn.linear_attention`'s). A padded position, wherever it is, neither writes
+        nor decays the state, and its output is 0: the returned state is that of the real
+        tokens alone (right padding does not decay it by ``γ`` per padded token).
 
     Returns
     -------
@@ -81,14 +88,16 @@ def retention(
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a ``gamma`` that is neither a real
         number nor a floating tensor; a non-str method; a non-int chunk size; a non-numeric
-        scale; a non-bool flag; an ``initial_state`` that is not a floating tensor.
+        scale; a non-bool flag; an ``initial_state`` that is not a floating tensor; a mask
+        that is not a bool or integer tensor.
     ValueError
         Wrong ranks or shapes (``v``'s heads not a multiple of ``q``'s), an empty dimension;
         ``gamma`` outside ``(0, 1]``, not finite, or a tensor not of shape ``(HV,)`` or on
         another device; an unknown method; ``chunk_size < 1``; ``scale`` not a positive
         normal number; an ``initial_state`` of the wrong shape or device; features of another
         shape or device than their inputs; a position-dependent feature map (cosFormer) with
-        ``initial_state`` or without a fixed ``max_len``. Under ``torch.compile`` the checks of
+        ``initial_state`` or without a fixed ``max_len``; a mask of the wrong shape or
+        device. Under ``torch.compile`` the checks of
         tensor values (``gamma``, ``log_g``, ``beta``) run inside the graph and raise
         RuntimeError with the same message.
 
@@ -96,13 +105,22 @@ def retention(
     -----
     Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
     an output before ``t`` (in both methods). Autocast is switched off inside: the
-    computation keeps the dtypes above under ``torch.autocast``.
+    computation keeps the dtypes above under ``torch.autocast``. With ``attention_mask`` the
+    decay becomes a gate per token (``log γ`` on real tokens, 0 on padding), computed by
+    GLA's chunk form (:func:`gated_linear_attention`).
     """
-    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale)
+    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
+                attention_mask=attention_mask)
     with no_autocast(q.device):
         gamma_t = _check_gamma(gamma, q, v.shape[1], p.acc)
-        out, S = run(p, lambda q, k, v, S0: recurrent_retention(q, k, v, gamma_t, S0),
-                     lambda q, k, v, S0: _chunk(q, k, v, gamma_t, S0, p.chunk_size))
+        if p.mask is None:
+            out, S = run(p, lambda q, k, v, S0: recurrent_retention(q, k, v, gamma_t, S0),
+                         lambda q, k, v, S0: _chunk(q, k, v, gamma_t, S0, p.chunk_size))
+        else:                                                   # a gate per token: 0 (no decay) on padding
+            B, HV, T, _ = p.v.shape
+            log_g = p.per_token(gamma_t.log().view(1, HV, 1).expand(B, HV, T))   # (B, HV, T)
+            out, S = run(p, lambda q, k, v, g, S0: recurrent_gated_linear_attention(q, k, v, g.unsqueeze(-1), S0),
+                         lambda q, k, v, g, S0: _chunk_per_token(q, k, v, g, S0, p.chunk_size), log_g)
     return output_and_state(out, S, q.dtype, p.return_state)
 
 
@@ -115,6 +133,17 @@ def _chunk(q, k, v, gamma, S0, chunk_size):
         alpha = gamma.view(1, H, 1).expand(B, H, T)                   # autograd sums its gradient into gamma
         return decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
     return chunk_retention(q, k, v, gamma, S0, chunk_size)
+
+
+def _chunk_per_token(q, k, v, log_g, S0, chunk_size):
+    """Retention with a gate per token ``log_g`` ``(B, HV, T)`` (masked): on the CPU kernel, or GLA's
+    chunk form with the gate in every key channel."""
+    if backends.select("retention", q, k, v, log_g, S0) == "cpu":
+        from ...kernels.cpu import decay_cpu
+
+        return decay_cpu(q, k, v, log_g.exp(), zeros_state(k, v, S0), chunk_size)
+    return chunk_gated_linear_attention(q, k, v, log_g.unsqueeze(-1).expand(*log_g.shape, k.shape[-1]), S0,
+                                        chunk_size)
 
 
 # --------------------------------------------------------------------------- checks
