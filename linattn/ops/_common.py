@@ -10,6 +10,7 @@ from torch import Tensor
 from .. import _checks, backends
 from .._numerics import CausalPoison, all_finite, compiling, no_autocast
 from ..feature_maps import resolve_feature_map
+from .varlen import check_cu_seqlens
 
 DECAY_METHODS = ("auto", "chunk", "recurrent")
 
@@ -22,7 +23,7 @@ Result = Union[Tensor, tuple[Tensor, Tensor]]
 class Prepared:
     """Checked arguments: features φ(q), φ(k) and v in the accumulation dtype (padding zeroed), and the rest."""
 
-    __slots__ = ("q", "k", "v", "S0", "acc", "method", "chunk_size", "return_state", "mask")
+    __slots__ = ("q", "k", "v", "S0", "acc", "method", "chunk_size", "return_state", "mask", "packing")
 
     def per_token(self, x: Tensor) -> Tensor:
         """A checked gate or ``β`` ``(B, HV, T[, Dk])`` in the accumulation dtype, 0 at padded positions
@@ -35,7 +36,7 @@ class Prepared:
 
 
 def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale=None,
-            attention_mask=None) -> Prepared:
+            cu_seqlens=None, attention_mask=None) -> Prepared:
     """The arguments every decay op shares, checked; ``q`` scaled (before φ), padding zeroed after φ."""
     _checks.check_qkv(q, k, v, causal=True, causal_only=name, grouped_values=True)
     p = Prepared()
@@ -45,9 +46,14 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     p.acc = _checks.accumulation_dtype(q.dtype)
     scale = _checks.check_scale(scale, p.acc)
     p.mask = _checks.check_attention_mask(attention_mask, k)                 # (B, T) bool, True = real token
+    p.packing = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], attention_mask)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
                                      caller=name)
+    if p.packing is not None and _checks.position_dependent(phi):
+        raise ValueError(f"{name}: the position-dependent feature_map {type(phi).__name__} cannot see where the "
+                         "sequences of a packed batch (cu_seqlens) start; compute the features per sequence and "
+                         "pass feature_map=None")
     with no_autocast(q.device):
         q = q.to(p.acc) if scale is None else q.to(p.acc) * scale
         p.q, p.k = _checks.apply_feature_map(phi, q, k.to(p.acc))            # (B, H, T, Dk)
@@ -56,7 +62,9 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
             real = p.mask[:, None, :, None]
             p.q, p.k, p.v = (torch.where(real, x, 0.0) for x in (p.q, p.k, p.v))
     B, _, _, Dk = p.k.shape
-    p.S0 = check_state(initial_state, (B, v.shape[1], Dk, v.shape[-1]), p.acc, q.device)
+    rows = B if p.packing is None else p.packing.N
+    p.S0 = check_state(initial_state, (rows, v.shape[1], Dk, v.shape[-1]), p.acc, q.device,
+                       "N (sequences in cu_seqlens)" if p.packing is not None else "B")
     return p
 
 
@@ -69,8 +77,9 @@ def resolve_decay_method(method) -> str:
     return "chunk" if name == "auto" else name
 
 
-def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device) -> Optional[Tensor]:
-    """``initial_state`` is None or a floating (B, HV, Dk, Dv) tensor on the inputs' device."""
+def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device, rows: str = "B") -> Optional[Tensor]:
+    """``initial_state`` is None or a floating (B, HV, Dk, Dv) tensor on the inputs' device (``(N, HV, Dk, Dv)``
+    for a packed batch: ``rows`` names the first dimension)."""
     if state is None:
         return None
     if not isinstance(state, Tensor):
@@ -83,7 +92,8 @@ def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device) -> O
     if tuple(state.shape) != expected:
         raise ValueError(
             f"initial_state must have shape (B, H, Dk, Dv) = {_checks.shape_str(expected)} "
-            f"(H: the heads of v; Dk: key features after feature_map), got {_checks.shape_str(state.shape)}"
+            f"(B: {rows}; H: the heads of v; Dk: key features after feature_map), "
+            f"got {_checks.shape_str(state.shape)}"
         )
     if state.device != device:
         raise ValueError(f"initial_state is on {state.device} but the inputs are on {device}")
@@ -114,8 +124,20 @@ def check_like_q(x, name: str, expected: tuple[int, ...], layout: str, q: Tensor
 def run(p: "Prepared", recurrent: Callable[..., tuple[Tensor, Tensor]],
         chunk: Callable[..., tuple[Tensor, Tensor]], *per_token: Tensor) -> tuple[Tensor, Tensor]:
     """``recurrent(q, k, v, *per_token, S0)`` or ``chunk(q, k, v, *per_token, S0)`` (per method) on the
-    prepared inputs."""
-    return _run_one(p.method, recurrent, chunk, p.q, p.k, p.v, *per_token, p.S0)
+    prepared inputs, bucket by bucket for a packed batch (:mod:`linattn.ops.varlen`)."""
+    if p.packing is None:
+        return _run_one(p.method, recurrent, chunk, p.q, p.k, p.v, *per_token, p.S0)
+
+    def bucket(q, k, v, *rest):
+        *gates, S0 = rest
+        out, S = _run_one(p.method, recurrent, chunk, q, k, v, *gates, None if S0 is None else S0[0])
+        return out, (S,)
+
+    def zeros(n: int):
+        return (p.k.new_zeros(n, p.v.shape[1], p.k.shape[-1], p.v.shape[-1]),)
+
+    out, (S,) = p.packing.run(bucket, (p.q, p.k, p.v, *per_token), None if p.S0 is None else (p.S0,), zeros)
+    return out, S
 
 
 def _run_one(method, recurrent, chunk, q, k, v, *rest) -> tuple[Tensor, Tensor]:

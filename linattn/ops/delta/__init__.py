@@ -27,6 +27,7 @@ def delta_rule(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
     attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """The delta rule (DeltaNet): each token corrects what the state recalls for its key.
@@ -63,9 +64,13 @@ def delta_rule(
         Multiplies ``q`` before anything else; None (the default) means 1, unlike SDPA and
         flash-linear-attention (default ``D ** -0.5``). As in :func:`retention`.
     initial_state : Tensor, optional
-        ``(B, HV, Dk, Dv)``, the state before the first token.
+        ``(B, HV, Dk, Dv)``, the state before the first token (``(N, HV, Dk, Dv)`` with
+        ``cu_seqlens``).
     return_state : bool
         Also return the state after the last token.
+    cu_seqlens : Tensor, optional
+        A packed batch of ``N`` sequences (``B = 1``, ``N + 1`` int32/int64 offsets,
+        flash-linear-attention's meaning), one state per sequence; as in :func:`retention`.
     attention_mask : Tensor, optional
         ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
         state, and its output is 0; as in :func:`retention`.
@@ -75,7 +80,7 @@ def delta_rule(
     out : Tensor
         ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)``,
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` (``(N, HV, Dk, Dv)`` with ``cu_seqlens``),
         float32 (float64 for float64 inputs).
 
     Raises
@@ -88,7 +93,7 @@ def delta_rule(
         entry outside ``[0, 2]`` (NaN included).
     """
     p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
-                attention_mask=attention_mask)
+                cu_seqlens, attention_mask)
     B, _, T, _ = p.k.shape
     check_like_q(beta, "beta", (B, v.shape[1], T), "(batch, heads, seq)", q)
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)

@@ -28,6 +28,7 @@ def gated_delta_rule(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
     attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """The gated delta rule: a decaying state that each token corrects toward its value.
@@ -65,9 +66,13 @@ def gated_delta_rule(
         Multiplies ``q`` before anything else; None (the default) means 1, unlike SDPA and
         flash-linear-attention (default ``D ** -0.5``). As in :func:`retention`.
     initial_state : Tensor, optional
-        ``(B, HV, Dk, Dv)``, the state before the first token.
+        ``(B, HV, Dk, Dv)``, the state before the first token (``(N, HV, Dk, Dv)`` with
+        ``cu_seqlens``).
     return_state : bool
         Also return the state after the last token.
+    cu_seqlens : Tensor, optional
+        A packed batch of ``N`` sequences (``B = 1``, ``N + 1`` int32/int64 offsets,
+        flash-linear-attention's meaning), one state per sequence; as in :func:`retention`.
     attention_mask : Tensor, optional
         ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
         state, and its output is 0; as in :func:`retention`.
@@ -78,7 +83,7 @@ def gated_delta_rule(
         ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs, float64
         for float64).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)``,
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` (``(N, HV, Dk, Dv)`` with ``cu_seqlens``),
         float32 (float64 for float64 inputs). Resuming from it with the rest of a sequence
         equals one run.
 
@@ -98,7 +103,7 @@ def gated_delta_rule(
     an output before ``t`` (in both methods). Autocast is switched off inside.
     """
     p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
-                attention_mask=attention_mask)
+                cu_seqlens, attention_mask)
     B, _, T, Dk = p.k.shape
     HV = v.shape[1]
     if isinstance(log_g, Tensor) and log_g.dim() == 3:

@@ -27,6 +27,7 @@ def gated_linear_attention(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
     attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """Gated linear attention: a data-dependent decay for every key dimension and token.
@@ -53,9 +54,13 @@ def gated_linear_attention(
         Multiplies ``q`` before anything else; None (the default) means 1, unlike SDPA and
         flash-linear-attention (default ``D ** -0.5``). As in :func:`retention`.
     initial_state : Tensor, optional
-        ``(B, HV, Dk, Dv)``, the state before the first token.
+        ``(B, HV, Dk, Dv)``, the state before the first token (``(N, HV, Dk, Dv)`` with
+        ``cu_seqlens``).
     return_state : bool
         Also return the state after the last token.
+    cu_seqlens : Tensor, optional
+        A packed batch of ``N`` sequences (``B = 1``, ``N + 1`` int32/int64 offsets,
+        flash-linear-attention's meaning), one state per sequence; as in :func:`retention`.
     attention_mask : Tensor, optional
         ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
         state, and its output is 0; as in :func:`retention`.
@@ -65,7 +70,7 @@ def gated_linear_attention(
     out : Tensor
         ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)``,
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` (``(N, HV, Dk, Dv)`` with ``cu_seqlens``),
         float32 (float64 for float64 inputs).
 
     Raises
@@ -78,7 +83,7 @@ def gated_linear_attention(
         positive, NaN or infinite entry.
     """
     p = prepare("gated_linear_attention", q, k, v, method, chunk_size, feature_map, initial_state, return_state,
-                scale, attention_mask=attention_mask)
+                scale, cu_seqlens, attention_mask)
     B, _, T, Dk = p.k.shape
     mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
     check_like_q(log_g, "log_g", (B, v.shape[1], T, Dk), "(batch, heads, seq, key features)", q, extra=mapped)
