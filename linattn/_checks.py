@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._numerics import unwrap
+from ._numerics import has_values, unwrap
 
 
 def shape_str(shape) -> str:
@@ -185,9 +185,12 @@ def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "atte
 
 
 def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -> None:
-    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``."""
+    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}`` (nothing to check on
+    meta and fake tensors, which hold no values)."""
     if torch.compiler.is_compiling():
         torch._assert_async(ok.all(), f"{name} must be {need}")
+        return
+    if not has_values(ok):                   # meta and fake tensors: no values to check
         return
     with torch.no_grad():
         ok = unwrap(ok)                      # under torch.func transforms: every element's values
@@ -204,6 +207,8 @@ def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -
 
 def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
     """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`."""
+    if not has_values(log_g):
+        return
     if not torch.compiler.is_compiling():
         with torch.no_grad():
             x = unwrap(log_g)

@@ -38,6 +38,7 @@ class Prepared:
 def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale=None,
             cu_seqlens=None, attention_mask=None) -> Prepared:
     """The arguments every decay op shares, checked; ``q`` scaled (before φ), padding zeroed after φ."""
+    refuse_tracing(name)
     _checks.check_qkv(q, k, v, causal=True, causal_only=name, grouped_values=True)
     p = Prepared()
     p.return_state = _checks.check_bool(return_state, "return_state")
@@ -66,6 +67,15 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     p.S0 = check_state(initial_state, (rows, v.shape[1], Dk, v.shape[-1]), p.acc, q.device,
                        "N (sequences in cu_seqlens)" if p.packing is not None else "B")
     return p
+
+
+def refuse_tracing(name: str) -> None:
+    """``torch.jit.trace`` would freeze the chunk form's choices (shapes, groups, the values it checks)."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"{name} cannot be recorded by torch.jit.trace: its chunk form chooses its algorithm from the "
+            "shapes and values of each call (chunk sizes, groups of chunks, mild or strong decay, finite or "
+            "not), which a trace would freeze for every later input; use torch.compile or torch.export")
 
 
 def resolve_decay_method(method) -> str:
@@ -145,7 +155,7 @@ def _run_one(method, recurrent, chunk, q, k, v, *rest) -> tuple[Tensor, Tensor]:
     *gates, S0 = rest
     if method == "recurrent":
         backends._record("torch")
-        return recurrent(q, k, v, *gates, S0)
+        return _own_state(*recurrent(q, k, v, *gates, S0))
     if not compiling():
         out, S = chunk(q, k, v, *gates, S0)
         if all_finite(S):
@@ -157,8 +167,14 @@ def _run_one(method, recurrent, chunk, q, k, v, *rest) -> tuple[Tensor, Tensor]:
         # with unnormalised keys): an infinity in a later row would reach earlier rows through the
         # zeros of the causal masks, so the token loop, causal by construction, gives the answer.
         backends._record("torch")
-        return recurrent(q, k, v, *gates, S0)
+        return _own_state(*recurrent(q, k, v, *gates, S0))
     return poison.outputs(out), poison.state(S)
+
+
+def _own_state(out: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """The token loop's last state is also what its last output read (saved for the backward pass):
+    a copy lets the caller write into the returned state (``S[0] = 0``) and still call backward."""
+    return out, (S.clone() if S.requires_grad else S)
 
 
 def output_and_state(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: bool) -> Result:

@@ -91,6 +91,8 @@ def delta_rule(
     ValueError
         As :func:`retention`; ``beta`` of the wrong shape, on another device, or with an
         entry outside ``[0, 2]`` (NaN included).
+    RuntimeError
+        Under ``torch.jit.trace``, as :func:`retention`.
     """
     p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
                 cu_seqlens, attention_mask)

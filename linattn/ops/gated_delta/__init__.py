@@ -96,6 +96,8 @@ def gated_delta_rule(
         As :func:`retention`; ``log_g`` not ``(B, HV, T)`` or ``(B, HV, T, Dk)``, on another
         device, with a positive, NaN or infinite entry; ``beta`` of the wrong shape or device,
         or with an entry outside ``[0, 2]``.
+    RuntimeError
+        Under ``torch.jit.trace``, as :func:`retention`.
 
     Notes
     -----

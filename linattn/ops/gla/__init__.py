@@ -81,6 +81,8 @@ def gated_linear_attention(
     ValueError
         As :func:`retention`; ``log_g`` of the wrong shape, on another device, with a
         positive, NaN or infinite entry.
+    RuntimeError
+        Under ``torch.jit.trace``, as :func:`retention`.
     """
     p = prepare("gated_linear_attention", q, k, v, method, chunk_size, feature_map, initial_state, return_state,
                 scale, cu_seqlens, attention_mask)

@@ -111,6 +111,9 @@ def retention(
         with ``B != 1`` or with ``attention_mask``. Under ``torch.compile`` the checks of
         tensor values (``gamma``, ``log_g``, ``beta``) run inside the graph and raise
         RuntimeError with the same message.
+    RuntimeError
+        Under ``torch.jit.trace`` (the decay ops choose their algorithm per call: use
+        ``torch.compile`` or ``torch.export``).
 
     Notes
     -----
