@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import linattn
+from linattn import backends
+from linattn.kernels import cpu
 
 from decay_cases import OPS, PER_TOKEN, call, inputs, loss_and_grads
 
@@ -95,3 +97,20 @@ def test_bad_masks_raise_errors_that_name_it(op, mask, error, message):
     x = {name: t.detach() for name, t in inputs(op, B=2, T=6).items()}
     with pytest.raises(error, match=message):
         call(op, x, attention_mask=mask)
+
+
+@pytest.mark.skipif(not cpu.cpu_kernel_available(), reason=f"no C++ compiler for the CPU kernel: "
+                                                          f"{cpu.build_info().get('error')}")
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("r", [1, 2])
+def test_masked_calls_run_on_the_compiled_cpu_path_or_say_they_did_not(op, r):
+    """One q/k head per value head: the CPU kernel runs the masked call (padding zeroed, gates 0 there);
+    grouped heads fall back to PyTorch, and last_backend() names what ran."""
+    mask = _mask("right", "left", "inside", "all_real")
+    x = inputs(op, B=4, r=r, T=T)
+    with backends.use_backends("cpu", "torch"):
+        out, S = call(op, x, attention_mask=mask, chunk_size=4)
+    assert backends.last_backend() == ("cpu" if r == 1 else "torch")
+    ref_out, ref_S = _unpadded(op, x, mask)
+    torch.testing.assert_close(out, ref_out, **TIGHT)
+    torch.testing.assert_close(S, ref_S, **TIGHT)

@@ -205,3 +205,47 @@ def test_the_compiled_cpu_path_runs_the_buckets_of_a_packed_batch(op):
     ref_out, ref_S = _per_sequence(op, x, lengths, with_state=True)
     torch.testing.assert_close(out, ref_out, **TIGHT)
     torch.testing.assert_close(S, ref_S, **TIGHT)
+
+
+def test_packed_linear_attention_runs_its_buckets_on_the_triton_backend(monkeypatch, triton_backend):
+    """Each bucket is an ordinary batched call: where the fused Triton kernel can run (forced here, with a
+    stand-in kernel: the quadratic form), it runs every bucket, and last_backend() says so."""
+    from linattn import kernels
+    from linattn.ops.linear import quadratic_linear_attention
+
+    calls = []
+
+    def kernel(phi_q, phi_k, v_aug, S0, chunk_size, out_dtype=None):
+        calls.append(phi_q.shape[0])
+        return quadratic_linear_attention(phi_q, phi_k, v_aug, S0, True, need_state=True)
+
+    monkeypatch.setitem(vars(kernels), "chunk_linear_attention_triton", kernel)
+    triton_backend(lambda tensors, chunk_size: None)
+    lengths = [5, 0, 40, 3, 38]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, sum(lengths), 4, generator=g) for _ in range(3))
+    with backends.use_backends("triton", "torch"):
+        out, st = linattn.linear_attention(q, k, v, causal=True, chunk_size=16, cu_seqlens=_offsets(lengths),
+                                           return_state=True)
+    assert backends.last_backend() == "triton"
+    assert sum(calls) == 4 and len(calls) == len(Packing([0] + torch.tensor(lengths).cumsum(0).tolist()).buckets)
+    start = 0
+    for i, n in enumerate(lengths):
+        if n:
+            ref, ref_st = linattn.linear_attention(q[:, :, start:start + n], k[:, :, start:start + n],
+                                                   v[:, :, start:start + n], causal=True, method="recurrent",
+                                                   return_state=True)
+            torch.testing.assert_close(out[:, :, start:start + n], ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(st.S[i:i + 1], ref_st.S, rtol=1e-5, atol=1e-6)
+        start += n
+    assert not st.S[1].any() and not st.z[1].any()
+
+
+def test_packed_linear_attention_falls_back_visibly_where_triton_cannot_run(triton_backend):
+    triton_backend(lambda tensors, chunk_size: "no CUDA here (forced)")
+    q, k, v = (torch.randn(1, 2, 12, 4) for _ in range(3))
+    with backends.use_backends("triton"), pytest.raises(RuntimeError, match=r"triton: no CUDA here \(forced\)"):
+        linattn.linear_attention(q, k, v, causal=True, chunk_size=16, cu_seqlens=torch.tensor([0, 5, 12]))
+    with backends.use_backends("triton", "torch"):
+        linattn.linear_attention(q, k, v, causal=True, chunk_size=16, cu_seqlens=torch.tensor([0, 5, 12]))
+    assert backends.last_backend() == "torch"
