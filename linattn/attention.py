@@ -193,7 +193,8 @@ def linear_attention(
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a mask that is not a bool or integer
         tensor; a non-bool flag; a feature map that is neither a name, a callable nor None,
-        or that returns no floating tensor; a bad state type; ``key_padding_mask`` (renamed
+        or that returns no floating tensor; a bad state type; a non-numeric ``scale``;
+        ``cu_seqlens`` that is not an int32/int64 tensor; ``key_padding_mask`` (renamed
         ``attention_mask``, with the opposite meaning of PyTorch's).
     ValueError
         Wrong ranks; an empty dimension; batch, heads or dims that disagree; causal with
@@ -409,11 +410,11 @@ def linear_attention_step(
     ------
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type or whose
-        ``S``/``z`` are not floating tensors.
+        ``S``/``z`` are not floating tensors; a non-numeric ``scale``.
     ValueError
         Wrong ranks, an empty dimension, mismatched (B, H, D), a state whose shapes, dtypes or
-        device do not match, ``eps`` or ``scale`` not a positive normal number of the computation dtype, a
-        position-dependent feature map (cosFormer), a feature map whose output has other
+        device do not match, ``eps`` or ``scale`` not a positive normal number of the
+        computation dtype, a position-dependent feature map (cosFormer), a feature map whose output has other
         leading dimensions or lives on another device.
     """
     if not _checks.step_inputs_ok(q, k, v):             # one cheap test; the full checks say what is wrong
