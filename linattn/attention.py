@@ -223,7 +223,7 @@ def linear_attention(
         if not causal:
             raise ValueError("cu_seqlens (a packed batch of sequences) needs causal=True: non-causal attention "
                              "over a packed batch would mix its sequences")
-        packing = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], attention_mask)
+        packing = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], attention_mask, q.device)
     attention_mask = _checks.check_attention_mask(attention_mask, k)
     method = resolve_linear_attention_method(method, causal)
     phi = resolve_feature_map(feature_map)

@@ -47,7 +47,7 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     p.acc = _checks.accumulation_dtype(q.dtype)
     scale = _checks.check_scale(scale, p.acc)
     p.mask = _checks.check_attention_mask(attention_mask, k)                 # (B, T) bool, True = real token
-    p.packing = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], attention_mask)
+    p.packing = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], attention_mask, q.device)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=True, resumed=initial_state is not None, same_length=True,
                                      caller=name)

@@ -2,11 +2,13 @@
 laid end to end in one batch row, ``cu_seqlens`` their ``N + 1`` offsets, one state per sequence.
 
 The sequences run as a few padded batches ("buckets"): sorted by length, a bucket takes the next
-sequences while its padded size stays within twice their tokens, so the padding never more than
-doubles the work and a bucket is one ordinary batched call (on whichever backend can run it). The
-padding is zeros, which every causal op reads as a token that neither writes nor decays the state
-(``k = v = 0``, ``β = 0``, ``log α = 0``), so each sequence's outputs and final state are those of a
-call on that sequence alone. Gathering and scattering are ``index_select``: autograd carries every
+sequences while its padded size stays within a factor of their tokens (:data:`PADDING_FACTOR`; on
+the CPU, whose chunk forms cost about their padded tokens and little per call,
+:data:`CPU_PADDING_FACTOR` = 1: only sequences of one length share a bucket), and a bucket is one
+ordinary batched call (on whichever backend can run it); a bucket of one sequence reads it in
+place, without a copy. The padding is zeros, which every causal op reads as a token that neither
+writes nor decays the state (``k = v = 0``, ``β = 0``, ``log α = 0``), so each sequence's outputs
+and final state are those of a call on that sequence alone. Gathering and scattering are ``index_select``: autograd carries every
 gradient back to the packed tensors.
 """
 from __future__ import annotations
@@ -21,12 +23,13 @@ from .._numerics import has_values
 
 __all__ = ["Packing", "check_cu_seqlens"]
 
-PADDING_FACTOR = 2          # a bucket's padded tokens <= PADDING_FACTOR x its real tokens
+PADDING_FACTOR = 2.0        # a bucket's padded tokens <= PADDING_FACTOR x its real tokens (accelerators)
+CPU_PADDING_FACTOR = 1.0    # the same bound for inputs on the CPU: no padding, one call per length
 
 
-def check_cu_seqlens(cu_seqlens, batch: int, seq: int, attention_mask=None) -> Optional["Packing"]:
-    """``cu_seqlens`` checked against a packed batch of ``batch`` rows of ``seq`` tokens: a :class:`Packing`,
-    or None when it is None.
+def check_cu_seqlens(cu_seqlens, batch: int, seq: int, attention_mask=None, device=None) -> Optional["Packing"]:
+    """``cu_seqlens`` checked against a packed batch of ``batch`` rows of ``seq`` tokens on ``device``: a
+    :class:`Packing`, or None when it is None.
 
     Raises
     ------
@@ -60,7 +63,8 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq: int, attention_mask=None) -> O
         shown = offsets if len(offsets) <= 12 else offsets[:6] + ["..."] + offsets[-3:]
         raise ValueError(f"cu_seqlens must be non-decreasing offsets from 0 to seq = {seq} (the tokens of the "
                          f"packed batch), got {shown}")
-    return Packing(offsets, cu_seqlens.device if cu_seqlens.device.type != "meta" else None)
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    return Packing(offsets, CPU_PADDING_FACTOR if on_cpu else PADDING_FACTOR)
 
 
 class Packing:
@@ -76,7 +80,7 @@ class Packing:
         The sequences without a token (their final state is their initial state).
     """
 
-    def __init__(self, offsets: Sequence[int], device=None) -> None:
+    def __init__(self, offsets: Sequence[int], factor: float = PADDING_FACTOR) -> None:
         self.offsets = list(offsets)
         self.N = len(offsets) - 1
         self.T = offsets[-1]
@@ -88,12 +92,12 @@ class Packing:
         while i < len(order):
             L, members, tokens = lengths[order[i]], [order[i]], lengths[order[i]]
             i += 1
-            while i < len(order) and (len(members) + 1) * L <= PADDING_FACTOR * (tokens + lengths[order[i]]):
+            while i < len(order) and (len(members) + 1) * L <= factor * (tokens + lengths[order[i]]):
                 tokens += lengths[order[i]]
                 members.append(order[i])
                 i += 1
             self.buckets.append((members, L))
-        self._lengths, self._device = lengths, device
+        self._lengths = lengths
 
     def _indices(self, device) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """Per bucket: the packed position of every padded slot (``T`` for padding) and the slots that are
@@ -134,10 +138,17 @@ class Packing:
         """
         device = per_token[0].device
         gathers, reals, inverse = self._indices(device)
+        padded = None                          # (h, T + 1, …): one zero slot after the tokens, made once
         outs, finals = [], []
         for (members, L), pos in zip(self.buckets, gathers):
             n = len(members)
-            xs = [_gather(x, pos, n, L) for x in per_token]
+            if n == 1:                         # one sequence: a view of its tokens
+                start = self.offsets[members[0]]
+                xs = [x[:, :, start:start + L] for x in per_token]
+            else:
+                if padded is None:
+                    padded = [torch.cat([x[0], x.new_zeros(x.shape[1], 1, *x.shape[3:])], dim=1) for x in per_token]
+                xs = [_gather(x, pos, n, L) for x in padded]
             s0 = None if states is None else tuple(s.index_select(0, _index(members, device)) for s in states)
             out, s = fn(*xs, s0)
             outs.append(out)
@@ -159,9 +170,7 @@ def _index(members: list[int], device) -> Tensor:
     return torch.tensor(members, dtype=torch.long, device=device)
 
 
-def _gather(x: Tensor, pos: Tensor, n: int, L: int) -> Tensor:
-    """``(1, h, T, …) -> (n, h, L, …)``: the slots ``pos`` of the packed ``x`` (``T``: a zero)."""
-    x0 = x[0]                                                                 # (h, T, …)
-    zero = x0.new_zeros(x0.shape[0], 1, *x0.shape[2:])
-    slots = torch.cat([x0, zero], dim=1).index_select(1, pos)                 # (h, n·L, …)
+def _gather(padded: Tensor, pos: Tensor, n: int, L: int) -> Tensor:
+    """``(h, T + 1, …) -> (n, h, L, …)``: the slots ``pos`` of the packed tokens (``T``: the zero slot)."""
+    slots = padded.index_select(1, pos)                                       # (h, n·L, …)
     return slots.unflatten(1, (n, L)).transpose(0, 1).contiguous()           # (n, h, L, …)

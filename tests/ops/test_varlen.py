@@ -12,7 +12,8 @@ import torch
 import linattn
 from linattn import backends
 from linattn.kernels import cpu
-from linattn.ops.varlen import PADDING_FACTOR, Packing
+from linattn.ops import varlen
+from linattn.ops.varlen import CPU_PADDING_FACTOR, PADDING_FACTOR, Packing
 
 from decay_cases import OPS, PER_TOKEN, call, inputs, loss_and_grads
 
@@ -48,7 +49,9 @@ def _per_sequence(op, x, lengths, with_state):
 @pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
 @pytest.mark.parametrize("method,chunk_size", [("chunk", 8), ("chunk", 64), ("recurrent", 64)])
 @pytest.mark.parametrize("r", [1, 2])
-def test_a_packed_batch_equals_one_call_per_sequence(op, lengths, method, chunk_size, r):
+@pytest.mark.parametrize("factor", [CPU_PADDING_FACTOR, PADDING_FACTOR], ids=["one_length_a_bucket", "padded_buckets"])
+def test_a_packed_batch_equals_one_call_per_sequence(op, lengths, method, chunk_size, r, factor, monkeypatch):
+    monkeypatch.setattr(varlen, "CPU_PADDING_FACTOR", factor)        # on the CPU, also buckets that pad
     lengths = LENGTHS[lengths]
     x = inputs(op, B=1, H=2, r=r, T=sum(lengths), states=len(lengths))
     out, S = call(op, x, cu_seqlens=_offsets(lengths), method=method, chunk_size=chunk_size)
@@ -94,7 +97,9 @@ def test_float32_packed_batch_matches_its_float64_sequences(op):
 
 @pytest.mark.parametrize("method", ["chunk", "recurrent", "quadratic"])
 @pytest.mark.parametrize("feature_map", ["elu+1", "relu"])
-def test_linear_attention_packed_equals_one_call_per_sequence(method, feature_map):
+@pytest.mark.parametrize("factor", [CPU_PADDING_FACTOR, PADDING_FACTOR], ids=["one_length_a_bucket", "padded_buckets"])
+def test_linear_attention_packed_equals_one_call_per_sequence(method, feature_map, factor, monkeypatch):
+    monkeypatch.setattr(varlen, "CPU_PADDING_FACTOR", factor)
     lengths = [0, 7, 13, 0, 1, 9]
     N, T, H = len(lengths), sum(lengths), 2
     g = torch.Generator().manual_seed(0)
@@ -128,15 +133,16 @@ def test_linear_attention_packed_equals_one_call_per_sequence(method, feature_ma
         torch.testing.assert_close(a, b, **TIGHT, msg=lambda m: f"d{name}: {m}")
 
 
-def test_buckets_pad_at_most_twice_the_tokens_and_keep_every_sequence_once():
+@pytest.mark.parametrize("factor", [PADDING_FACTOR, CPU_PADDING_FACTOR])
+def test_buckets_pad_within_their_factor_and_keep_every_sequence_once(factor):
     lengths = [4096] + [100] * 40 + [0, 0] + [7, 3000, 1, 2999]
     offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
-    packing = Packing(offsets)
+    packing = Packing(offsets, factor)
     seen = sorted(s for members, _ in packing.buckets for s in members) + packing.empty
     assert sorted(seen) == list(range(len(lengths)))
     for members, L in packing.buckets:
         assert L == max(lengths[s] for s in members)
-        assert len(members) * L <= PADDING_FACTOR * sum(lengths[s] for s in members)
+        assert len(members) * L <= factor * sum(lengths[s] for s in members)
     assert len(packing.buckets) <= 6
 
 
@@ -221,14 +227,14 @@ def test_packed_linear_attention_runs_its_buckets_on_the_triton_backend(monkeypa
 
     monkeypatch.setitem(vars(kernels), "chunk_linear_attention_triton", kernel)
     triton_backend(lambda tensors, chunk_size: None)
-    lengths = [5, 0, 40, 3, 38]
+    lengths = [5, 0, 40, 3, 40]                        # the two of 40 share a bucket on any device
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, sum(lengths), 4, generator=g) for _ in range(3))
     with backends.use_backends("triton", "torch"):
         out, st = linattn.linear_attention(q, k, v, causal=True, chunk_size=16, cu_seqlens=_offsets(lengths),
                                            return_state=True)
     assert backends.last_backend() == "triton"
-    assert sum(calls) == 4 and len(calls) == len(Packing([0] + torch.tensor(lengths).cumsum(0).tolist()).buckets)
+    assert sum(calls) == 4 and len(calls) == len(Packing([0] + torch.tensor(lengths).cumsum(0).tolist(), CPU_PADDING_FACTOR).buckets)
     start = 0
     for i, n in enumerate(lengths):
         if n:
