@@ -43,6 +43,7 @@ _FILE_MARKS = {
     "test_triton.py": ("triton",),
     "test_gpu.py": ("gpu",),
     "test_sequence_parallel.py": ("slow",),
+    "test_sequence_parallel_rules.py": ("slow",),
     "test_sp_exchange.py": ("slow",),
     "test_studies.py": ("slow",),
     "test_transforms.py": ("slow",),

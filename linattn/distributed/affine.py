@@ -94,7 +94,7 @@ def _exclusive(A: Tensor, B: Tensor, ranks: _Ranks, exchange: str, op: str, *, r
 
 
 def _transition_grad(G: Tensor, incoming: Tensor, A: Tensor) -> Tensor:
-    """``∂L/∂A`` of ``S_out = A S_in + B`` from ``G = ∂L/∂S_out``: ``G S_inᵀ`` (its diagonal for a diagonal ``A``)."""
+    """``∂L/∂A`` of ``S_out = A S_in + B`` from ``G = ∂L/∂S_out``: ``G S_inᵀ`` (its diagonal when ``A`` is one)."""
     if A.dim() == G.dim():
         return G @ incoming.transpose(-1, -2)
     return (G * incoming).sum(-1).sum_to_size(A.shape)
@@ -140,7 +140,9 @@ def exchange_states(A: Tensor, B: Tensor, ranks: _Ranks, exchange: str, differen
     """``S_in`` of this rank, differentiable with respect to every rank's ``A`` and ``B`` (see :class:`_AffineScan`).
     With ``differentiable`` (some rank needs gradients) it requires grad on every rank, so that every rank's
     backward joins the reverse scan, also where this rank's own ``A`` and ``B`` need no gradient."""
-    leaf = torch.zeros((), dtype=B.dtype, requires_grad=True) if differentiable and torch.is_grad_enabled() else None
+    leaf = None
+    if differentiable and torch.is_grad_enabled():
+        leaf = torch.zeros((), dtype=B.dtype, requires_grad=True)
     return _AffineScan.apply(A, B, leaf, ranks, exchange)
 
 

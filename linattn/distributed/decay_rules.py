@@ -16,7 +16,7 @@ __all__ = ['sequence_parallel_retention', 'sequence_parallel_gated_linear_attent
 
 
 def _decayed(x: Tensor, cum_log: Tensor) -> tuple[Tensor, Tensor]:
-    """``q̃_t = x_t ⊙ exp(Σ_{s≤t} log g_s)`` and the slice's decay ``exp(Σ_s log g_s)``, from the cumulative logs."""
+    """``q̃_t = x_t ⊙ exp(Σ_{s≤t} log g_s)`` and the slice's decay ``exp(Σ_s log g_s)``, from cumulative logs."""
     return x * cum_log.exp(), cum_log[:, :, -1].exp()
 
 

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import datetime
+import glob
+import json
 import math
 import numbers
+import os
 import tempfile
+import traceback
 import uuid
 from typing import Callable
 
@@ -18,9 +22,25 @@ from .. import _checks
 
 __all__ = ['RankError', 'run_on_ranks']
 
-#: What :func:`run_on_ranks` raises when a rank fails: PyTorch's own error, with every failed rank's
-#: traceback (the name is kept from linattn 0.2, whose launcher had an exception of its own).
-RankError = ChildFailedError
+
+class RankError(RuntimeError):
+    """``fn`` raised on one or more ranks of :func:`run_on_ranks`.
+
+    Attributes
+    ----------
+    failures : dict
+        ``rank -> (exception type name, message, formatted traceback)`` for every rank that
+        raised before the launcher stopped the others (a peer's failure usually makes the ranks
+        waiting for it raise too); ``("ProcessExit", "exit code N", "")`` for a process that
+        died without raising.
+    """
+
+    def __init__(self, failures: dict[int, tuple[str, str, str]]):
+        self.failures = failures
+        lines = [f"rank {r} raised {name}: {message}" for r, (name, message, _) in sorted(failures.items())]
+        shown = [r for r in sorted(failures) if failures[r][2]]
+        trace = f"\n\ntraceback on rank {shown[0]}:\n{failures[shown[0]][2]}" if shown else ""
+        super().__init__("\n".join(lines) + trace)
 
 
 def _in_process_group(fn: Callable, args: tuple, timeout: float, threads: int, backend: str):
@@ -31,6 +51,19 @@ def _in_process_group(fn: Callable, args: tuple, timeout: float, threads: int, b
         return fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+def _every_failure(logs: str, failed: ChildFailedError) -> RankError:
+    """Every rank's error, from the error files the launcher's ranks wrote into ``logs`` (the launcher itself
+    names only the first process it saw exit, often a peer that lost its connection to the one that raised)."""
+    failures = {}
+    for path in glob.glob(os.path.join(logs, "*", "attempt_*", "*", "error.json")):
+        with open(path) as f:
+            error = json.load(f)["message"]
+        name, _, message = error["message"].partition(": ")
+        failures[int(os.path.basename(os.path.dirname(path)))] = (name, message, error["extraInfo"]["py_callstack"])
+    exits = {r: ("ProcessExit", f"exit code {f.exitcode}", "") for r, f in failed.failures.items()}
+    return RankError(failures or exits)
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, threads: int = 1,
@@ -75,9 +108,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
         ``world_size < 1``, ``threads < 1``, a non-positive or infinite ``timeout``, a
         ``backend`` other than gloo or nccl or not built into this torch; checked before any
         process starts.
-    torch.distributed.elastic.multiprocessing.errors.ChildFailedError
-        (also named :data:`RankError`) ``fn`` raised, or a process died, on some rank: its
-        ``failures`` map each failed rank to its exit code and traceback.
+    RankError
+        ``fn`` raised on some rank (the type, message and traceback of every rank that raised;
+        a rank's process that died without raising, e.g. killed for memory, as ``ProcessExit``).
     """
     if not callable(fn) or "<" in getattr(fn, "__qualname__", "<"):
         raise TypeError(f"fn must be a module-level function of an importable module (the spawned ranks import "
@@ -99,5 +132,8 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                               monitor_interval=0.05, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs))
-        results = elastic_launch(config, _in_process_group)(fn, args, float(timeout), threads, backend)
+        try:
+            results = elastic_launch(config, _in_process_group)(fn, args, float(timeout), threads, backend)
+        except ChildFailedError as failed:
+            raise _every_failure(logs, failed) from None
     return [results[r] for r in range(world_size)]
