@@ -5,6 +5,7 @@ from .comm import ByteCounter, count_bytes
 from .decay_rules import sequence_parallel_gated_linear_attention, sequence_parallel_retention
 from .delta_rules import sequence_parallel_delta_rule, sequence_parallel_gated_delta_rule
 from .launch import RankError, run_on_ranks
+from .layers import sequence_parallel_lm, sequence_parallel_mixer
 from .measure import measure_sequence_parallel
 from .ring import ring_softmax_attention
 from .sequence_parallel import local_state, sequence_parallel_linear_attention
@@ -17,6 +18,8 @@ __all__ = [
     "sequence_parallel_gated_linear_attention",
     "sequence_parallel_delta_rule",
     "sequence_parallel_gated_delta_rule",
+    "sequence_parallel_mixer",
+    "sequence_parallel_lm",
     "apply_transition",
     "local_state",
     "ring_softmax_attention",

@@ -766,8 +766,8 @@ def test_run_on_ranks_rejects_what_cannot_be_spawned():
         measure_sequence_parallel(2, [dict(kind="linear", T=8, state_exchange="tree")])
     with pytest.raises(ValueError, match="each case needs 'kind' and 'T'"):
         measure_sequence_parallel(2, [dict(kind="linear")])
-    with pytest.raises(ValueError, match="no backward pass"):
-        measure_sequence_parallel(2, [dict(kind="softmax", T=8, backward=True)])
+    with pytest.raises(ValueError, match="case kind must be one of"):
+        measure_sequence_parallel(2, [dict(kind="retention", T=8)])
 
 
 # ---------------------------------------------------------------------------------------
@@ -811,6 +811,9 @@ def test_measure_sequence_parallel_counts_bytes_and_times():
         dict(kind="softmax", T=T, causal=True),
         dict(kind="softmax", T=T + 1, causal=True, communication_only=True),
         dict(kind="linear", T=T, causal=True, communication_only=True, state_exchange="scan", block=3),
+        dict(kind="gated_delta", T=T, backward=True, state_exchange="allgather"),
+        dict(kind="gated_delta", T=T, communication_only=True, state_exchange="ring"),
+        dict(kind="softmax", T=T, causal=True, backward=True),
     ], repeats=1, timeout=60.0)
     s = 1 * 2 * 16 * 17 * 4                     # float32 state of B=1, H=2, M=16, Dv+1=17
     hs = 15 * 8                                 # the other rank's row of 15 int64
@@ -820,4 +823,8 @@ def test_measure_sequence_parallel_counts_bytes_and_times():
     assert records[2]["bytes_sent"] == [hs + 32 * kv, hs + 32 * kv]
     assert records[3]["bytes_sent"] == [33 * kv, 32 * kv]   # slices of 33 and 32 tokens
     assert records[4]["bytes_sent"] == [s, 0] and records[4]["block"] == 3 and records[0]["block"] is None
+    a_map, state = 1 * 2 * 16 * (16 + 16) * 4, 1 * 2 * 16 * 16 * 4   # a transition and a state; a state
+    assert records[5]["bytes_sent"] == [hs + a_map + state] * 2        # the maps forward, the states backward
+    assert records[6]["bytes_sent"] == [state, 0]                      # the chain: one state, to the right
+    assert records[7]["bytes_sent"] == [hs + 32 * kv + 3 * 32 * kv] * 2   # the blocks, then blocks and gradients
     assert all(r["seconds"] > 0 and r["world_size"] == P for r in records)
