@@ -20,6 +20,11 @@ def _decayed(x: Tensor, cum_log: Tensor) -> tuple[Tensor, Tensor]:
     return x * cum_log.exp(), cum_log[:, :, -1].exp()
 
 
+def _per_value_head(q: Tensor, HV: int) -> Tensor:
+    """``q`` ``(B, H, T, Dk)`` read by each of ``HV`` value heads: value head ``j`` reads head ``j // (HV // H)``."""
+    return q if q.shape[1] == HV else q.repeat_interleave(HV // q.shape[1], dim=1)
+
+
 def sequence_parallel_retention(
     q: Tensor,
     k: Tensor,
@@ -52,13 +57,13 @@ def sequence_parallel_retention(
         The ranks that share the sequence, in sequence order; the default group if None.
     state_exchange : str
         How the maps travel, as in :func:`sequence_parallel_linear_attention`: ``"ring"`` (the
-        chain: each rank passes one state ``B·H·Dk·Dv`` numbers to the next), ``"allgather"``
-        (every rank gathers every map, decay and state: ``(P-1)·B·H·(1 + Dk·Dv)`` numbers sent
+        chain: each rank passes one state, ``B·HV·Dk·Dv`` numbers, to the next), ``"allgather"``
+        (every rank gathers every map, decay and state: ``(P-1)·B·HV·(1 + Dk·Dv)`` numbers sent
         per rank) or ``"scan"`` (``⌈log2 P⌉`` rounds of one map); ``"auto"`` is
         :data:`AUTO_STATE_EXCHANGE`. The backward sends the same with the transposed maps
         (the all-gather: states only). The three agree up to rounding.
     initial_state : Tensor, optional
-        ``(B, H, Dk, Dv)``, the state before the sequence's first token: on rank 0 only
+        ``(B, HV, Dk, Dv)``, the state before the sequence's first token: on rank 0 only
         (the other ranks pass None).
     return_state : bool
         Also return the state after this rank's last token (on the last rank, the state of
@@ -67,9 +72,10 @@ def sequence_parallel_retention(
     Returns
     -------
     out : Tensor
-        ``(B, H, T_r, Dv)`` in the dtype of ``q``, equal to the slice of one process's output.
+        ``(B, HV, T_r, Dv)`` in the dtype of ``q``, equal to the slice of one process's output
+        (``HV``: the value heads, a multiple of the ``H`` heads of ``q`` and ``k``).
     state : Tensor
-        Only if ``return_state``: ``(B, H, Dk, Dv)``, float32 (float64 for float64 inputs),
+        Only if ``return_state``: ``(B, HV, Dk, Dv)``, float32 (float64 for float64 inputs),
         contiguous. States are exchanged in this dtype, so half inputs send float32 states.
 
     Gradients flow to every rank's inputs, ``initial_state`` included; each rank's
@@ -91,14 +97,14 @@ def sequence_parallel_retention(
     def local(f: Features) -> Local:
         out, B = retention(f.q, f.k, f.v, same_dtype_as_q(gamma, q, f.acc), method=method, chunk_size=chunk_size,
                            initial_state=initial_state, return_state=True)       # checks gamma first
-        (Bsz, H, T, _), device = f.q.shape, f.q.device
-        whole = gamma if isinstance(gamma, Tensor) else torch.full((H,), float(gamma), dtype=torch.float64)
+        (Bsz, HV, T, _), device = f.v.shape, f.v.device
+        whole = gamma if isinstance(gamma, Tensor) else torch.full((HV,), float(gamma), dtype=torch.float64)
         if f.first:
-            return Local(out, B, B.new_zeros(Bsz, H, 1), None, "fixed gamma per head", tensor_hash(whole))
-        log_gamma = gamma.to(f.acc).log() if isinstance(gamma, Tensor) else whole.to(device, f.acc).log()   # (H,)
+            return Local(out, B, B.new_zeros(Bsz, HV, 1), None, "fixed gamma per head", tensor_hash(whole))
+        log_gamma = gamma.to(f.acc).log() if isinstance(gamma, Tensor) else whole.to(device, f.acc).log()  # (HV,)
         steps = torch.arange(1, T + 1, dtype=f.acc, device=device)                  # γ^(t+1) at token t
-        q_tilde, decay = _decayed(f.q, (log_gamma[:, None] * steps).view(1, H, T, 1))
-        return Local(out, B, decay.expand(Bsz, H, 1), q_tilde, "fixed gamma per head", tensor_hash(whole))
+        q_tilde, decay = _decayed(_per_value_head(f.q, HV), (log_gamma[:, None] * steps).view(1, HV, T, 1))
+        return Local(out, B, decay.expand(Bsz, HV, 1), q_tilde, "fixed gamma per head", tensor_hash(whole))
 
     return sequence_parallel_rule("sequence_parallel_retention", q, k, v, local, group=group,
                                   state_exchange=state_exchange, feature_map=feature_map,
@@ -150,7 +156,7 @@ def sequence_parallel_gated_linear_attention(
         if f.first:
             return Local(out, B, B.new_zeros(B.shape[:3]), None, "one per key channel and token")
         cum_log = gates.clamp(min=LOG_G_FLOOR).cumsum(dim=2)                  # (B, H, T, Dk), as the chunk form
-        q_tilde, A = _decayed(f.q, cum_log)                                   # (B, H, T, Dk), (B, H, Dk)
+        q_tilde, A = _decayed(_per_value_head(f.q, gates.shape[1]), cum_log)   # (B, HV, T, Dk), (B, HV, Dk)
         return Local(out, B, A, q_tilde, "one per key channel and token")
 
     return sequence_parallel_rule("sequence_parallel_gated_linear_attention", q, k, v, local, group=group,

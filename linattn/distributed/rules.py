@@ -72,7 +72,7 @@ def sequence_parallel_rule(caller: str, q: Tensor, k: Tensor, v: Tensor, local: 
     try:
         exchange = _check_state_exchange(state_exchange, ranks)
         return_state = _checks.check_bool(return_state, "return_state")
-        _checks.check_qkv(q, k, v, causal=True, causal_only=caller)
+        _checks.check_qkv(q, k, v, causal=True, causal_only=caller, grouped_values=True)
         dtype_code = _dtype_code(q.dtype)
         phi = resolve_feature_map(feature_map)
         name = _feature_map_name(phi)

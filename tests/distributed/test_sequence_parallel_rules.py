@@ -19,7 +19,8 @@ from linattn.distributed import (count_bytes, sequence_parallel_delta_rule, sequ
 B, H, D, DV = 2, 2, 4, 3
 CHUNK = 4                                                  # every world size has a slice shorter than this
 LENGTHS = {1: [7], 2: [5, 3], 3: [6, 1, 9], 4: [3, 7, 1, 5]}
-RULES = ("retention", "retention-gamma-tensor", "gla", "delta", "gated_delta", "kda")
+RULES = ("retention", "retention-gamma-tensor", "gla", "delta", "gated_delta", "kda",
+         "retention-grouped", "gla-grouped", "kda-grouped")          # grouped: v, the gates and β have 2H heads
 EXCHANGES = ("ring", "allgather", "scan")
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}          # relative to the largest reference value
 
@@ -30,6 +31,7 @@ ONE = {"retention": linattn.retention, "gla": linattn.gated_linear_attention, "d
 
 
 def _family(rule: str) -> str:
+    rule = rule.removesuffix("-grouped")
     return {"retention-gamma-tensor": "retention", "kda": "gated_delta"}.get(rule, rule)
 
 
@@ -40,14 +42,16 @@ def _whole(rule: str, T: int, dtype: torch.dtype, seed: int) -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    x = dict(q=randn(B, H, T, D), k=F.normalize(randn(B, H, T, D), dim=-1), v=randn(B, H, T, DV),
-             S0=randn(B, H, D, DV), w=randn(B, H, T, DV), wS=randn(B, H, D, DV))
+    HV = 2 * H if rule.endswith("-grouped") else H                   # value head j reads q/k head j // (HV // H)
+    x = dict(q=randn(B, H, T, D), k=F.normalize(randn(B, H, T, D), dim=-1), v=randn(B, HV, T, DV),
+             S0=randn(B, HV, D, DV), w=randn(B, HV, T, DV), wS=randn(B, HV, D, DV))
     gates = {"retention": [], "retention-gamma-tensor": ["gamma"], "gla": ["log_g4"], "delta": ["beta"],
-             "gated_delta": ["log_g3", "beta"], "kda": ["log_g4", "beta"]}[rule]
-    x["gamma"] = 0.8 + 0.2 * torch.rand(H, generator=g, dtype=torch.float64)
-    x["log_g4"] = -torch.rand(B, H, T, D, generator=g, dtype=torch.float64)
-    x["log_g3"] = -torch.rand(B, H, T, generator=g, dtype=torch.float64)
-    x["beta"] = 2 * torch.rand(B, H, T, generator=g, dtype=torch.float64)    # negative eigenvalues included
+             "gated_delta": ["log_g3", "beta"], "kda": ["log_g4", "beta"], "retention-grouped": ["gamma"],
+             "gla-grouped": ["log_g4"], "kda-grouped": ["log_g4", "beta"]}[rule]
+    x["gamma"] = 0.8 + 0.2 * torch.rand(HV, generator=g, dtype=torch.float64)
+    x["log_g4"] = -torch.rand(B, HV, T, D, generator=g, dtype=torch.float64)
+    x["log_g3"] = -torch.rand(B, HV, T, generator=g, dtype=torch.float64)
+    x["beta"] = 2 * torch.rand(B, HV, T, generator=g, dtype=torch.float64)   # negative eigenvalues included
     x["gates"] = gates
     for name in ("q", "k", "v", "S0", "gamma", "log_g4", "log_g3", "beta"):
         x[name] = x[name].to(dtype).double()
@@ -231,8 +235,12 @@ def _scan_sends(P: int, position: int) -> int:
 
 
 def _transition_numbers(rule: str) -> int:
-    """Numbers of one rank's transition A per batch and head: a decay, a decay vector, a Dk x Dk matrix."""
+    """Numbers of one rank's transition A per batch and value head: a decay, a decay vector, a Dk x Dk matrix."""
     return {"retention": 1, "gla": D}.get(_family(rule), D * D)
+
+
+def _value_heads(rule: str) -> int:
+    return 2 * H if rule.endswith("-grouped") else H
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -242,7 +250,8 @@ def test_bytes_each_exchange_sends_match_the_analytic_counts(spawned, world_size
     P = world_size
     for (rule, exchange, dtype_name), _ in rule_cases(P).items():
         n = 8 if dtype_name == "float64" else 4
-        state, a_map = B * H * D * DV * n, B * H * (_transition_numbers(rule) + D * DV) * n
+        HV = _value_heads(rule)
+        state, a_map = B * HV * D * DV * n, B * HV * (_transition_numbers(rule) + D * DV) * n
         for rank, res in enumerate(spawned(P)):
             got = res["rules"][(rule, exchange, dtype_name)]["bytes"]
             want = {"ring": (state * (rank < P - 1), state * (rank > 0)),
