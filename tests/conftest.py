@@ -45,6 +45,7 @@ _FILE_MARKS = {
     "test_sequence_parallel.py": ("slow",),
     "test_sequence_parallel_rules.py": ("slow",),
     "test_sequence_parallel_layers.py": ("slow",),
+    "test_prefill.py": ("slow",),
     "test_sp_exchange.py": ("slow",),
     "test_studies.py": ("slow",),
     "test_transforms.py": ("slow",),

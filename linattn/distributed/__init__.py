@@ -7,6 +7,7 @@ from .delta_rules import sequence_parallel_delta_rule, sequence_parallel_gated_d
 from .launch import RankError, run_on_ranks
 from .layers import sequence_parallel_lm, sequence_parallel_mixer
 from .measure import measure_sequence_parallel
+from .prefill import Prefill, prefill_on_ranks
 from .ring import ring_softmax_attention
 from .sequence_parallel import local_state, sequence_parallel_linear_attention
 
@@ -20,6 +21,8 @@ __all__ = [
     "sequence_parallel_gated_delta_rule",
     "sequence_parallel_mixer",
     "sequence_parallel_lm",
+    "prefill_on_ranks",
+    "Prefill",
     "apply_transition",
     "local_state",
     "ring_softmax_attention",
