@@ -7,7 +7,9 @@ import json
 import math
 import numbers
 import os
+import signal
 import tempfile
+import threading
 import traceback
 import uuid
 from typing import Callable
@@ -53,6 +55,17 @@ def _in_process_group(fn: Callable, args: tuple, timeout: float, threads: int, b
         dist.destroy_process_group()
 
 
+_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                         if hasattr(signal, name))
+
+
+def _signal_handlers() -> dict:
+    """This process's handlers of the signals the elastic launcher takes over (only the main thread has any)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in _HANDLED_SIGNALS}
+
+
 def _every_failure(logs: str, failed: ChildFailedError) -> RankError:
     """Every rank's error, from the error files the launcher's ranks wrote into ``logs`` (the launcher itself
     names only the first process it saw exit, often a peer that lost its connection to the one that raised)."""
@@ -73,7 +86,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
     The processes are started by ``torch.distributed.launcher.api.elastic_launch``, the launcher
     behind ``torchrun``: it sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
     (a free port on 127.0.0.1), so each rank joins with ``init_process_group(backend)`` as under
-    ``torchrun``, and returns each rank's result.
+    ``torchrun``, and returns each rank's result. The handlers of SIGTERM, SIGINT, SIGHUP and
+    SIGQUIT that the launcher installs in this process are replaced by the caller's again when it
+    returns (a notebook's kernel keeps its own).
 
     Parameters
     ----------
@@ -132,8 +147,13 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, t
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
                               rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
                               monitor_interval=0.05, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs))
+        handlers = _signal_handlers()          # the launcher installs its own and leaves them: restore ours
         try:
             results = elastic_launch(config, _in_process_group)(fn, args, float(timeout), threads, backend)
         except ChildFailedError as failed:
             raise _every_failure(logs, failed) from None
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
     return [results[r] for r in range(world_size)]

@@ -1,6 +1,8 @@
 """prefill_on_ranks: a LinearMixer's prefill on two gloo ranks, then decoding in this process, against one process."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ def test_a_prefill_on_two_ranks_hands_its_state_to_one_process_decoding():
     """Outputs and the state after a ragged prefill (a 2-token slice, shorter than the convolution's 3 inputs and
     than a chunk) equal one process's; decoding three tokens from that state equals one process reading on."""
     mixer = _mixer()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     g = torch.Generator().manual_seed(12)
     x, more = (torch.randn(2, T, D_MODEL, generator=g, dtype=torch.float64) for T in (11, 3))
     with torch.no_grad():
@@ -34,6 +37,7 @@ def test_a_prefill_on_two_ranks_hands_its_state_to_one_process_decoding():
             steps.append(out)
         assert (torch.cat(steps, dim=1) - want).abs().max().item() <= 1e-12
     assert got.bytes_sent[0] > 0 and got.bytes_sent[1] > 0          # the handshake, the conv inputs, the state
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers   # the launcher's handlers are gone again
 
 
 @pytest.mark.parametrize("kwargs,error,words", [
