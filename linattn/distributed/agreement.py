@@ -35,6 +35,11 @@ _FIELDS = ("failed", "batch", "heads", "head_dim", "value_dim", "features M", "c
 _LINEAR_FIELDS = ("batch", "heads", "head_dim", "value_dim", "features M", "causal", "normalize", "eps",
                   "feature_map", "state_exchange", "dtype")
 _SOFTMAX_FIELDS = ("batch", "heads", "head_dim", "value_dim", "causal", "scale", "dtype")
+# The decay and delta rules' row: which rule, the state's shape, the gates, and the options.
+_RULE_FIELDS = ("failed", "rule", "batch", "heads", "value_heads", "key_dim", "value_dim", "gate", "feature_map",
+                "gamma", "scale", "state_exchange", "dtype", "grad", "seq")
+_RULES = ("retention", "gated_linear_attention", "delta_rule", "gated_delta_rule")
+_GATES = ("none", "fixed gamma per head", "one per head and token", "one per key channel and token")
 _UNUSED = -1            # state_exchange when causal=False: not used, so not compared
 _NAME_BYTES = 200       # a feature map's name, as sent when the ranks disagree on it
 
@@ -135,23 +140,25 @@ def _gather_names(name: str, ranks: _Ranks) -> list[str]:
 
 
 def _handshake(ranks: _Ranks, fields: Optional[dict[str, int]], error: Optional[BaseException],
-               caller: str, shown: tuple[str, ...], feature_map_name: str = "") -> list[list[int]]:
-    """All-gather every rank's shapes and options (or a failure flag) before any real communication."""
-    row = [1] + [0] * (len(_FIELDS) - 1) if fields is None else [0] + [fields.get(n, 0) for n in _FIELDS[1:]]
+               caller: str, shown: tuple[str, ...], feature_map_name: str = "",
+               names: tuple[str, ...] = _FIELDS) -> list[list[int]]:
+    """All-gather every rank's shapes and options (or a failure flag) before any real communication;
+    ``names`` are the columns of the row (the first is the failure flag)."""
+    row = [1] + [0] * (len(names) - 1) if fields is None else [0] + [fields.get(n, 0) for n in names[1:]]
     parts = _all_gather(torch.tensor(row, dtype=torch.int64, device=ranks.device()), ranks, "handshake")
     table = [part.tolist() for part in parts]
     _raise_failures([values[0] for values in table], error, caller)
-    columns = [_FIELDS.index(name) for name in shown]
-    differ = [_FIELDS[i] for i in columns if len({values[i] for values in table}) > 1]
+    columns = [names.index(name) for name in shown]
+    differ = [names[i] for i in columns if len({values[i] for values in table}) > 1]
     if "causal" in differ and "state_exchange" in differ:
         differ.remove("state_exchange")          # unused on the non-causal ranks: a consequence
     if differ:
-        names = [feature_map_name] * ranks.world
+        maps = [feature_map_name] * ranks.world
         if "feature_map" in differ:              # every rank is here: the table is the same on all
-            names = _gather_names(feature_map_name, ranks)
+            maps = _gather_names(feature_map_name, ranks)
 
         def describe(r: int) -> str:
-            shown_r = ", ".join(f"{_FIELDS[i]}={_decode(_FIELDS[i], table[r][i], names[r])}" for i in columns)
+            shown_r = ", ".join(f"{names[i]}={_decode(names[i], table[r][i], maps[r])}" for i in columns)
             return f"rank {r}: {shown_r}"
 
         raise ValueError(
@@ -186,8 +193,14 @@ def _decode(name: str, value: int, feature_map_name: str = ""):
         return _DTYPES[value]
     if name == "state_exchange":
         return "unused (causal=False)" if value == _UNUSED else repr(STATE_EXCHANGES[value])
-    if name in ("causal", "normalize"):
+    if name in ("causal", "normalize", "grad"):
         return bool(value)
+    if name == "rule":
+        return _RULES[value]
+    if name == "gate":
+        return repr(_GATES[value])
+    if name == "gamma":
+        return f"<hash {value & 0xFFFFFFFF:08x} of its values>"
     if name in ("eps", "scale"):
         return repr(_bits_float(value))
     if name == "feature_map":

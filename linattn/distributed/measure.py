@@ -13,6 +13,8 @@ from .agreement import _check_state_exchange
 from .comm import _all_reduce_sum, _Ranks, count_bytes
 from .launch import run_on_ranks
 from .ring import _circulate, ring_softmax_attention
+from .affine import _exclusive
+from .delta_rules import sequence_parallel_gated_delta_rule
 from .sequence_parallel import _exclusive_prefix, local_state, sequence_parallel_linear_attention
 
 __all__ = ['measure_sequence_parallel']
@@ -22,6 +24,7 @@ __all__ = ['measure_sequence_parallel']
 # Measuring time and bytes (chapter 12)
 # ---------------------------------------------------------------------------------------
 
+_KINDS = ("linear", "softmax", "gated_delta")
 _CASE_DEFAULTS = dict(batch=1, heads=2, head_dim=16, causal=True, state_exchange="allgather",
                       dtype="float32", backward=False, communication_only=False, repeats=None, block=None)
 
@@ -35,7 +38,15 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
     world_size : int
         Number of processes ``P``.
     cases : list of dict
-        The configurations, run in order.
+        The configurations, run in order: ``kind`` (``"linear"``:
+        :func:`sequence_parallel_linear_attention` with elu+1; ``"softmax"``:
+        :func:`ring_softmax_attention`; ``"gated_delta"``:
+        :func:`sequence_parallel_gated_delta_rule` with L2-normalised keys), ``T`` (the
+        whole sequence, cut into slices whose lengths differ by at most one), and optionally
+        ``batch``, ``heads``, ``head_dim``, ``causal``, ``state_exchange``, ``dtype``,
+        ``backward`` (time forward and backward), ``communication_only`` (time the exchange
+        alone: the state, the map of the gated delta rule, or the ring pass of the blocks),
+        ``repeats`` and ``block`` (a label).
     repeats : int
         Timed calls per case after one warm-up call.
     timeout : float
@@ -57,7 +68,7 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
     ------
     TypeError, ValueError
         Bad cases (unknown keys or kinds, non-positive sizes) or arguments.
-    RankError, TimeoutError
+    RankError
         As :func:`run_on_ranks`.
     """
     full = []
@@ -65,10 +76,8 @@ def measure_sequence_parallel(world_size: int, cases: list[dict], *, repeats: in
         unknown = set(case) - set(_CASE_DEFAULTS) - {"kind", "T"}
         if unknown or "kind" not in case or "T" not in case:
             raise ValueError(f"each case needs 'kind' and 'T' and may set {sorted(_CASE_DEFAULTS)}, got {case}")
-        if case["kind"] not in ("linear", "softmax"):
-            raise ValueError(f"case kind must be 'linear' or 'softmax', got {case['kind']!r}")
-        if case["kind"] == "softmax" and case.get("backward"):
-            raise ValueError("ring_softmax_attention has no backward pass: backward=True needs kind 'linear'")
+        if case["kind"] not in _KINDS:
+            raise ValueError(f"case kind must be one of {_KINDS}, got {case['kind']!r}")
         if _checks.check_positive_int(case["T"], "T") < world_size:
             raise ValueError(f"T={case['T']} must be at least world_size={world_size} (one token per rank)")
         full.append({**_CASE_DEFAULTS, **case})
@@ -117,23 +126,33 @@ def _measured_call(case: dict, rank: int, world: int, ranks: _Ranks, seed: int) 
     dtype = getattr(torch, case["dtype"])
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, T_local, D, generator=g).to(dtype) for _ in range(3))
-    if case["kind"] == "linear" and case["communication_only"]:
-        state = local_state(k, v).augmented()                          # (B, H, M, Dv + 1)
-        exchange = _check_state_exchange(case["state_exchange"], ranks)   # "auto" by this group's backend
-        if case["causal"]:
-            return lambda: _exclusive_prefix(state, ranks, exchange, "state")
-        return lambda: _all_reduce_sum(state, ranks, "state")
-    if case["kind"] == "linear":
-        def linear():
-            with torch.set_grad_enabled(case["backward"]):
-                qq, kk, vv = (x.detach().requires_grad_(case["backward"]) for x in (q, k, v))
-                out = sequence_parallel_linear_attention(qq, kk, vv, causal=case["causal"],
-                                                         state_exchange=case["state_exchange"])
-                if case["backward"]:
-                    out.sum().backward()
-        return linear
+    exchange = _check_state_exchange(case["state_exchange"], ranks)       # "auto" by this group's backend
     if case["communication_only"]:
+        if case["kind"] == "linear":
+            state = local_state(k, v).augmented()                          # (B, H, M, Dv + 1)
+            if case["causal"]:
+                return lambda: _exclusive_prefix(state, ranks, exchange, "state")
+            return lambda: _all_reduce_sum(state, ranks, "state")
+        if case["kind"] == "gated_delta":                                  # a Dk x Dk transition and a state
+            A, S = torch.randn(B, H, D, D, generator=g), torch.randn(B, H, D, D, generator=g)
+            return lambda: _exclusive(A, S, ranks, exchange, "state", reverse=False)
         sizes = _slice_lengths(case["T"], world)
         kv = torch.cat([k, v], dim=-1)
         return lambda: [block for _, block in _circulate(kv, ranks, sizes)]
-    return lambda: ring_softmax_attention(q, k, v, causal=case["causal"])
+    if case["kind"] == "gated_delta":
+        k = torch.nn.functional.normalize(k.float(), dim=-1).to(dtype)
+        log_g = -torch.rand(B, H, T_local, generator=g).to(dtype)
+        beta = torch.rand(B, H, T_local, generator=g).to(dtype)
+
+    def call():
+        with torch.set_grad_enabled(case["backward"]):
+            qq, kk, vv = (x.detach().requires_grad_(case["backward"]) for x in (q, k, v))
+            if case["kind"] == "linear":
+                out = sequence_parallel_linear_attention(qq, kk, vv, causal=case["causal"], state_exchange=exchange)
+            elif case["kind"] == "gated_delta":
+                out = sequence_parallel_gated_delta_rule(qq, kk, vv, log_g, beta, state_exchange=exchange)
+            else:
+                out = ring_softmax_attention(qq, kk, vv, causal=case["causal"])
+            if case["backward"]:
+                out.sum().backward()
+    return call

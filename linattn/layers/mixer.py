@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,8 @@ from .short_conv import ShortConvolution
 __all__ = ["RULES", "DELTA_RULES", "LinearMixer", "retnet_log_gammas"]
 
 RULES = ("retention", "gla", "delta", "gated_delta", "kda")
+_OPS = {"retention": retention, "gated_linear_attention": gated_linear_attention, "delta_rule": delta_rule,
+        "gated_delta_rule": gated_delta_rule}
 DELTA_RULES = ("delta", "gated_delta", "kda")          # the rules with a writing strength β
 
 GLA_GATE_RANK = 16          # GLA's low-rank gate projection (Yang et al., 2024)
@@ -173,7 +175,8 @@ class LinearMixer(GroupedHeads, nn.Module):
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
-                state: Optional[MixerState] = None, return_state: bool = False
+                state: Optional[MixerState] = None, return_state: bool = False,
+                conv_history: Optional[Tensor] = None, rule_ops: Optional[Mapping[str, Callable]] = None
                 ) -> Union[Tensor, tuple[Tensor, MixerState]]:
         """Mix the tokens of ``x`` (after the tokens summarised by ``state``).
 
@@ -190,6 +193,12 @@ class LinearMixer(GroupedHeads, nn.Module):
             checked at every call.
         return_state : bool
             Also return the state after the last real token of ``x``.
+        conv_history, rule_ops
+            The hook of :mod:`linattn.distributed` (sequence parallelism): ``conv_history``
+            ``(B, C, conv_size − 1)``, the convolution's inputs before ``x`` (another rank's last
+            :meth:`conv_inputs`), in place of ``state.conv``; ``rule_ops``, functions called in
+            place of :mod:`linattn.ops`' ``retention``, ``gated_linear_attention``, ``delta_rule``
+            and ``gated_delta_rule`` (keyed by those names, with their arguments).
 
         Returns
         -------
@@ -218,15 +227,15 @@ class LinearMixer(GroupedHeads, nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         acc = _checks.accumulation_dtype(x.dtype)
-        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]     # matmuls under autocast if on
+        qkv = self.conv_inputs(x)                                         # (B, T, (H + 2 H_kv)·D)
         raw_a = self.a_proj(x) if self.a_proj is not None else None      # (B, T, H_kv or H_kv·D)
         raw_b = self.b_proj(x) if self.b_proj is not None else None      # (B, T, H_kv)
         raw_g = self.g_proj(x) if self.g_proj is not None else None      # (B, T, H·D)
         with no_autocast(x.device):                                       # our own arithmetic: acc dtype
-            qkv = torch.cat([p.to(acc) for p in projected], dim=-1)      # (B, T, (H + 2 H_kv)·D)
             conv_state = None
             if self.conv is not None:
-                qkv, conv_state = self.conv(qkv, attention_mask, None if state is None else state.conv)
+                history = conv_history if conv_history is not None else None if state is None else state.conv
+                qkv, conv_state = self.conv(qkv, attention_mask, history)
                 qkv = F.silu(qkv)
             q, k, v = (self._heads(t) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
             if self.qk_norm:
@@ -241,7 +250,7 @@ class LinearMixer(GroupedHeads, nn.Module):
                     log_g = log_g.masked_fill(~(real if log_g.dim() == 3 else real[..., None]), 0.0)
             S0 = None if state is None else self._repeat_kv(state.S.to(acc))   # (B, H, D, D)
             o, S = self._apply_rule(q, self._repeat_kv(k), self._repeat_kv(v), self._repeat_kv(log_g), self._repeat_kv(beta),
-                                    S0, attention_mask)                   # (B, H, T, D), (B, H, D, D)
+                                    S0, attention_mask, {**_OPS, **(rule_ops or {})})   # (B, H, T, D), (B, H, D, D)
             if self.o_norm is not None:
                 o = o * torch.rsqrt(o.pow(2).mean(dim=-1, keepdim=True) + NORM_EPS) * self.o_norm.to(acc)
             if raw_g is not None:
@@ -252,6 +261,13 @@ class LinearMixer(GroupedHeads, nn.Module):
             return y
         S = S if self.group_size == 1 else S[:, ::self.group_size].contiguous()   # one copy per group
         return y, MixerState(S, conv_state)
+
+    def conv_inputs(self, x: Tensor) -> Tensor:
+        """What the short convolution reads: the ``q``, ``k``, ``v`` projections of ``x`` side by side,
+        ``(B, T, (H + 2 H_kv)·head_dim)`` in float32 (float64 for float64 ``x``)."""
+        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]     # matmuls under autocast if on
+        with no_autocast(x.device):
+            return torch.cat([p.to(_checks.accumulation_dtype(x.dtype)) for p in projected], dim=-1)
 
     # ---- the rule ----------------------------------------------------------------------
 
@@ -277,8 +293,9 @@ class LinearMixer(GroupedHeads, nn.Module):
         # exp(-1000) is 0 in float32 and float64 alike: an overflow to -inf gives the same α = 0
         return log_g.clamp(min=LOG_G_FLOOR), beta
 
-    def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask) -> tuple[Tensor, Tensor]:
-        """``o = S_tᵀ q_t`` for every token and the last ``S``, through :mod:`linattn.ops`."""
+    def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask, ops) -> tuple[Tensor, Tensor]:
+        """``o = S_tᵀ q_t`` for every token and the last ``S``, through ``ops`` (:mod:`linattn.ops`' by default)."""
+        retention, gated_linear_attention, delta_rule, gated_delta_rule = (ops[name] for name in _OPS)
         options = dict(method="recurrent" if q.shape[2] == 1 else "chunk", chunk_size=self.chunk_size,
                        initial_state=S0, return_state=True)
         if self.rule == "retention":

@@ -1,7 +1,7 @@
 """Multi-head softmax attention with a KV cache: the baseline of the linear layers (Vaswani et al., 2017)."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,9 @@ class SoftmaxAttention(MultiHeadProjections):
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[KVCache] = None, return_state: bool = False,
-                positions: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, KVCache]]:
+                positions: Optional[Tensor] = None,
+                attention_fn: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
+                ) -> Union[Tensor, tuple[Tensor, KVCache]]:
         """Attend over the cached tokens and ``x``.
 
         Parameters
@@ -78,6 +80,11 @@ class SoftmaxAttention(MultiHeadProjections):
             ``(B, T)`` int64 ``>= 0``, the position of each token of ``x``; only with
             ``rope=True``, where it defaults to counting real tokens from 0, after the real
             tokens of the cache.
+        attention_fn : callable, optional
+            The hook of :mod:`linattn.distributed` (sequence parallelism): ``attention_fn(q, k,
+            v)`` on ``(B, H, T, head_dim)`` (keys and values repeated to ``H`` heads) computes
+            the attention in place of SDPA, e.g. ring attention over ranks; only without a
+            cache, a mask or ``return_state``.
 
         Returns
         -------
@@ -108,6 +115,11 @@ class SoftmaxAttention(MultiHeadProjections):
         self._check_state(state, x, k.dtype)
         if self.rope:                                                     # the cache keeps rotated keys
             q, k = apply_rope(q, positions, base=self.rope_base), apply_rope(k, positions, base=self.rope_base)
+        if attention_fn is not None:
+            if state is not None or attention_mask is not None or return_state:
+                raise ValueError("attention_fn replaces the attention of one whole call: it takes no state, "
+                                 "attention_mask or return_state")
+            return self._merge(attention_fn(q, self._repeat_kv(k), self._repeat_kv(v)))   # (B, T, d_model)
         # the returned cache owns its memory: never the caller's mask itself
         mask = attention_mask.clone() if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
         if state is not None:
