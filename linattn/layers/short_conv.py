@@ -13,6 +13,11 @@ from .. import _checks
 
 __all__ = ["ShortConvolution"]
 
+# Up to these many outputs, K shifted multiply-adds beat F.conv1d, whose depthwise float64 CPU path
+# has a large fixed cost (a decoding step is one output).
+SHIFTED_SUM_MAX_T = {torch.float64: 256}
+SHIFTED_SUM_MAX_T_DEFAULT = 16
+
 
 class ShortConvolution(nn.Module):
     """A causal depthwise convolution over the sequence, with a decoding state.
@@ -71,14 +76,26 @@ class ShortConvolution(nn.Module):
         prefix = u.new_zeros(B, C, K - 1) if state is None else state.to(u.dtype)
         if attention_mask is None:
             ext = torch.cat([prefix, u.transpose(1, 2)], dim=2)           # (B, C, K − 1 + T)
-            y = F.conv1d(ext, self.weight.to(u.dtype), groups=C)          # (B, C, T)
+            y = _depthwise(ext, self.weight.to(u.dtype))                  # (B, C, T)
             return y.transpose(1, 2), ext[:, :, T:].clone(memory_format=torch.contiguous_format)
         # Move each row's real tokens to the front, in order; convolve; put them back.
         order = torch.sort((~attention_mask).to(torch.int32), dim=1, stable=True).indices  # (B, T)
         compact = u.masked_fill(~attention_mask[..., None], 0.0).gather(1, order[..., None].expand(B, T, C))
         ext = torch.cat([prefix, compact.transpose(1, 2)], dim=2)         # (B, C, K − 1 + T)
-        y = F.conv1d(ext, self.weight.to(u.dtype), groups=C)              # (B, C, T), real tokens first
+        y = _depthwise(ext, self.weight.to(u.dtype))                      # (B, C, T), real tokens first
         y = y.gather(2, order.argsort(dim=1)[:, None, :].expand(B, C, T))  # back to the input order
         n_real = attention_mask.sum(dim=1)                                # (B,)
         last = n_real[:, None] + torch.arange(K - 1, device=u.device)     # (B, K − 1): ext columns
         return y.transpose(1, 2), ext.gather(2, last[:, None, :].expand(B, C, K - 1))
+
+
+def _depthwise(ext: Tensor, weight: Tensor) -> Tensor:
+    """``y[:, c, t] = Σ_j weight[c, 0, j] · ext[:, c, t + j]``: ``ext`` (B, C, K − 1 + T) -> (B, C, T)."""
+    K = weight.shape[-1]
+    T = ext.shape[2] - K + 1
+    if T > SHIFTED_SUM_MAX_T.get(ext.dtype, SHIFTED_SUM_MAX_T_DEFAULT):
+        return F.conv1d(ext, weight, groups=ext.shape[1])
+    y = ext[:, :, :T] * weight[:, 0, 0, None]                            # (B, C, T)
+    for j in range(1, K):
+        y = y + ext[:, :, j:j + T] * weight[:, 0, j, None]
+    return y
