@@ -90,7 +90,8 @@ class LinearAttention(MultiHeadProjections):
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
         ``n_kv_heads``, ``eps`` not a normal positive float32 number, ``rope_base <= 1``, an
-        unknown feature map name.
+        unknown feature map name, ``rope=True`` with a feature map that gives an odd number of
+        features (Taylor's whenever ``head_dim % 4 == 0``).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
@@ -99,6 +100,13 @@ class LinearAttention(MultiHeadProjections):
                  rope: bool = False, rope_base: float = ROPE_BASE) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias, rope, rope_base)
         _set_linear_options(self, feature_map, normalize, eps, chunk_size)
+        M = self._n_features() if self.rope else 0
+        if M % 2:
+            raise ValueError(
+                f"rope=True rotates pairs of features, but feature_map={self.feature_map_name or self.feature_map!r} "
+                f"gives an odd number of features, M={M}, for head_dim={self.head_dim} (Taylor's 1 + D + D(D+1)/2 "
+                "is odd whenever D % 4 == 0): pass rope=False (in TransformerLM, positions='none' or 'learned'), "
+                "or a feature map with an even number of features")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
@@ -212,14 +220,16 @@ class LinearAttention(MultiHeadProjections):
         """Bytes of the :class:`~linattn.LinearAttentionState` after any number of tokens (``seq_len``
         is not used: the size is fixed), for inputs in the parameters' dtype: ``B·H_kv·M·(head_dim + 1)``
         numbers, ``M`` the number of features of φ."""
-        weight = self.q_proj.weight
+        acc = _checks.accumulation_dtype(self.q_proj.weight.dtype)
+        return (batch * self.n_kv_heads * self._n_features() * (self.head_dim + 1)
+                * torch.empty((), dtype=acc).element_size())
+
+    def _n_features(self) -> int:
+        """``M``, the number of features φ gives for one head of ``head_dim``."""
         if self.feature_map is None:
-            M = self.head_dim
-        else:
-            with torch.no_grad():
-                M = self.feature_map(weight.new_zeros(1, 1, 1, self.head_dim)).shape[-1]
-        acc = _checks.accumulation_dtype(weight.dtype)
-        return batch * self.n_kv_heads * M * (self.head_dim + 1) * torch.empty((), dtype=acc).element_size()
+            return self.head_dim
+        with torch.no_grad():
+            return self.feature_map(self.q_proj.weight.new_zeros(1, 1, 1, self.head_dim)).shape[-1]
 
     def _check_state(self, state, x: Tensor, feature_dim: int) -> None:
         """Checked at every use (not only when the state was built: its attributes may have been replaced)."""

@@ -220,7 +220,9 @@ class TransformerLM(nn.Module):
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
         ``n_kv_heads``, an unknown mixer name, a list of mixers whose length is not
         ``n_layers``, an unknown ``positions``, ``positions="learned"`` without ``max_len``,
-        ``positions="rope"`` with an odd ``head_dim`` and softmax layers, ``conv_size < 2``,
+        ``positions="rope"`` with an odd ``head_dim`` and softmax layers or with a feature map
+        of an odd number of features and ``"linear"`` layers (Taylor's whenever
+        ``head_dim % 4 == 0``), ``conv_size < 2``,
         an unknown feature map name.
     """
 
