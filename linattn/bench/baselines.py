@@ -140,11 +140,13 @@ def compiled_baseline_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk
 
 
 def _chunk_cpu_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
-    """The compiled CPU kernel with elu+1 applied inside (what ``LINATTN_CPU_KERNEL=1`` dispatches to)."""
+    """The compiled CPU kernel with elu+1 applied inside (what ``LINATTN_CPU_KERNEL=1`` dispatches to); half
+    inputs compute in float32, as :func:`linattn.linear_attention` computes their features."""
     from ..kernels.cpu import causal_linear_attention_cpu
 
-    return causal_linear_attention_cpu(q, k, v, normalize=True, eps=eps, chunk_size=chunk_size,
-                                       feature_map="elu+1")[0].to(q.dtype)
+    acc = _checks.accumulation_dtype(q.dtype)
+    return causal_linear_attention_cpu(q.to(acc), k.to(acc), v.to(acc), normalize=True, eps=eps,
+                                       chunk_size=chunk_size, feature_map="elu+1")[0].to(q.dtype)
 
 
 def method_fn(method: str, chunk_size: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -171,8 +173,6 @@ def unavailable(method: str, device: torch.device, chunk_size: int, dtype: torch
     if method == "chunk_cpu":
         if device.type != "cpu":
             return "the compiled CPU kernel runs on the CPU only"
-        if dtype not in (torch.float32, torch.float64):
-            return f"the compiled CPU kernel takes float32 or float64, not {str(dtype).removeprefix('torch.')}"
         from ..kernels import cpu
 
         if not cpu.cpu_kernel_available():
