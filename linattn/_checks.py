@@ -69,15 +69,24 @@ def check_same_kind(named: dict[str, Tensor]) -> None:
             )
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_only: Optional[str] = None) -> None:
-    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv); causal needs Tq == Tk."""
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, causal_only: Optional[str] = None,
+              grouped_values: bool = False) -> None:
+    """Check q (B,H,Tq,D), k (B,H,Tk,D), v (B,H,Tk,Dv) (``grouped_values``: v (B,HV,Tk,Dv) with
+    ``HV`` a multiple of ``H``); causal needs Tq == Tk."""
     layout = "(batch, heads, seq, dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(x, name, 4, layout)
     check_same_kind({"q": q, "k": k, "v": v})
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+    if grouped_values and q.shape[:2] == k.shape[:2] and v.shape[0] == k.shape[0]:
+        if v.shape[1] % k.shape[1] != 0:
+            raise ValueError(
+                f"v must have a multiple of the {k.shape[1]} heads of q and k (grouped value heads: value head j "
+                f"reads q/k head j // (HV // H)), got q {shape_str(q.shape)}, k {shape_str(k.shape)}, "
+                f"v {shape_str(v.shape)}")
+    elif q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        also = " (v may have a multiple of their heads)" if grouped_values else ""
         raise ValueError(
-            "q, k and v must share batch and heads (dims 0 and 1), got "
+            f"q, k and v must share batch and heads (dims 0 and 1){also}, got "
             f"q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}"
         )
     if k.shape[2] != v.shape[2]:

@@ -34,6 +34,15 @@ def unwrap(t: Tensor) -> Tensor:
     return t
 
 
+def has_values(t: Tensor) -> bool:
+    """Whether ``t`` holds numbers that can be read: False for meta tensors and for the fake tensors of
+    ``FakeTensorMode`` (``torch.export``, shape propagation), whose values checks must skip."""
+    if t.device.type == "meta":
+        return False
+    fake = getattr(torch._subclasses, "FakeTensor", None)
+    return fake is None or not isinstance(unwrap(t), fake)
+
+
 def host_all(t: Tensor) -> bool:
     """Whether every entry of the bool tensor ``t`` is True, also under ``torch.func`` transforms
     (for every vmapped element)."""
@@ -44,7 +53,7 @@ def all_finite(*tensors: Tensor) -> bool:
     """Whether every entry of every tensor is finite (one host synchronisation for all of them)."""
     # detach(): isfinite is composite (abs, eq), and abs would record its input for a backward
     # that never comes (a transient copy of the reference autograd counts as saved)
-    flags = [torch.isfinite(t.detach()).all() for t in tensors if t is not None and t.device.type != "meta"]
+    flags = [torch.isfinite(t.detach()).all() for t in tensors if t is not None and has_values(t)]
     return host_all(torch.stack(flags)) if flags else True
 
 

@@ -107,6 +107,8 @@ def _why_not_cpu(op: str, tensors, pinned: bool) -> Optional[str]:
     x = tensors[0]
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return f"needs CPU float32/float64 tensors, got {x.dtype} on {x.device}"
+    if tensors[2].shape[1] != tensors[1].shape[1]:
+        return "grouped value heads (v has more heads than q and k)"
     if autograd_must_see_every_op(*tensors):
         return "autograd must see every op (torch.compile, torch.func transforms, forward-mode AD)"
     from .kernels import cpu

@@ -26,7 +26,7 @@ class Prepared:
 
 
 def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, return_state) -> Prepared:
-    _checks.check_qkv(q, k, v, causal=True, causal_only=name)
+    _checks.check_qkv(q, k, v, causal=True, causal_only=name, grouped_values=True)
     p = Prepared()
     p.return_state = _checks.check_bool(return_state, "return_state")
     p.chunk_size = _checks.check_chunk_size(chunk_size)
@@ -38,8 +38,8 @@ def prepare(name, q, k, v, method, chunk_size, feature_map, initial_state, retur
     with no_autocast(q.device):
         p.q, p.k = _checks.apply_feature_map(phi, q.to(p.acc), k.to(p.acc))  # (B, H, T, Dk)
     p.v = v.to(p.acc)                                                       # (B, H, T, Dv)
-    B, H, _, Dk = p.k.shape
-    p.S0 = check_state(initial_state, (B, H, Dk, v.shape[-1]), p.acc, q.device)
+    B, _, _, Dk = p.k.shape
+    p.S0 = check_state(initial_state, (B, v.shape[1], Dk, v.shape[-1]), p.acc, q.device)
     return p
 
 
@@ -53,7 +53,7 @@ def resolve_decay_method(method) -> str:
 
 
 def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device) -> Optional[Tensor]:
-    """``initial_state`` is None or a floating (B, H, Dk, Dv) tensor on the inputs' device."""
+    """``initial_state`` is None or a floating (B, HV, Dk, Dv) tensor on the inputs' device."""
     if state is None:
         return None
     if not isinstance(state, Tensor):
@@ -66,7 +66,7 @@ def check_state(state, expected: tuple[int, ...], acc: torch.dtype, device) -> O
     if tuple(state.shape) != expected:
         raise ValueError(
             f"initial_state must have shape (B, H, Dk, Dv) = {_checks.shape_str(expected)} "
-            f"(Dk: key features after feature_map), got {_checks.shape_str(state.shape)}"
+            f"(H: the heads of v; Dk: key features after feature_map), got {_checks.shape_str(state.shape)}"
         )
     if state.device != device:
         raise ValueError(f"initial_state is on {state.device} but the inputs are on {device}")
@@ -123,13 +123,8 @@ def output_and_state(out: Tensor, S: Tensor, dtype: torch.dtype, return_state: b
 
 
 def zeros_state(k: Tensor, v: Tensor, S0: Optional[Tensor]) -> Tensor:
-    B, H, _, Dk = k.shape
-    return S0 if S0 is not None else k.new_zeros(B, H, Dk, v.shape[-1])
-
-
-def read(q_t: Tensor, S: Tensor) -> Tensor:
-    """``S_tᵀ q_t``: (B, H, Dk) and (B, H, Dk, Dv) -> (B, H, Dv)."""
-    return (q_t.unsqueeze(-2) @ S).squeeze(-2)
+    """``S0``, or the empty state ``(B, HV, Dk, Dv)`` (one per value head)."""
+    return S0 if S0 is not None else k.new_zeros(*v.shape[:2], k.shape[-1], v.shape[-1])
 
 
 # --------------------------------------------------------------------------- chunking

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..._numerics import has_values
+
 __all__ = ["MILD_DECAY", "MILD_GATE", "mild_groups", "prefix_factors", "prefix_factors_backward"]
 
 
@@ -28,15 +30,22 @@ MILD_GATE = 1.0
 # 9e-6 for the ranges; e^{-10}: 0.3). So every log-gate of a prefix chunk is ``>= −MILD_GATE``.
 
 
-def mild_groups(parts: list[slice], g: Tensor, x: Tensor, y: Tensor) -> list[bool]:
+def mild_groups(parts: list[slice], g: Tensor, x: Tensor, y: Tensor, per_row=None) -> list[bool]:
     """Per group of chunks: may it use :func:`prefix_factors`? (every chunk's total log-decay
     ``−Σ g >= −MILD_DECAY`` in every channel, every log-gate ``>= −MILD_GATE``, and ``Dk · max|x|
     · max|y| · e^{MILD_DECAY}`` far below the dtype's largest number, so no score overflows;
     a gradient overflows only where the true one is within ``e^{MILD_DECAY}`` of overflowing).
+    ``per_row`` maps a quantity per row of ``x`` and ``y`` to the rows of ``g`` (grouped value heads:
+    :meth:`linattn.ops.value_heads.SharedRows.per_row`). Tensors without values (meta, fake) take
+    the range-by-range products: every group False.
     """
+    if not has_values(g):
+        return [False] * len(parts)
     depth = g.sum(1).amin(-1).neg()                                         # (n,): −(Σ_r g_r), worst channel
     strongest = g.reshape(g.shape[0], -1).amin(1).neg()                      # (n,): the largest −g_r
     size = _finite_max(x) * _finite_max(y) * x.shape[-1]
+    if per_row is not None:
+        size = per_row(size)
     limit = torch.finfo(x.dtype).max * math.exp(-3 * MILD_DECAY)
     ok = ((depth <= MILD_DECAY) & (strongest <= MILD_GATE) & (size <= limit)).tolist()
     return [all(ok[grp]) for grp in parts]

@@ -46,9 +46,11 @@ def delta_rule(
     q, k : Tensor
         ``(B, H, T, D)`` queries and keys (see the note on normalising keys).
     v : Tensor
-        ``(B, H, T, Dv)`` values.
+        ``(B, HV, T, Dv)`` values; ``HV`` a multiple of ``H`` (grouped value heads: value
+        head ``j`` reads q/k head ``j // (HV // H)``, as in flash-linear-attention and
+        transformers; no repeated copy of ``q`` or ``k`` is made).
     beta : Tensor
-        ``(B, H, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
+        ``(B, HV, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
     chunk_size : int
         Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. A smaller
         chunk shrinks the products with a ``C × C`` factor, not those with the ``Dk × Dv`` state
@@ -61,9 +63,9 @@ def delta_rule(
     Returns
     -------
     out : Tensor
-        ``(B, H, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
+        ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
     state : Tensor
-        Only if ``return_state``: ``(B, H, Dk, Dv)``, float32 (float64 for float64 inputs).
+        Only if ``return_state``: ``(B, HV, Dk, Dv)``, float32 (float64 for float64 inputs).
 
     Raises
     ------
@@ -74,8 +76,8 @@ def delta_rule(
         entry outside ``[0, 2]`` (NaN included).
     """
     p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
-    B, H, T, _ = p.k.shape
-    check_like_q(beta, "beta", (B, H, T), "(batch, heads, seq)", q)
+    B, _, T, _ = p.k.shape
+    check_like_q(beta, "beta", (B, v.shape[1], T), "(batch, heads, seq)", q)
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
         beta = beta.to(p.acc)

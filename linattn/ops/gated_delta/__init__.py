@@ -41,13 +41,15 @@ def gated_delta_rule(
     q, k : Tensor
         ``(B, H, T, D)`` queries and keys, floating point, same dtype and device.
     v : Tensor
-        ``(B, H, T, Dv)`` values.
+        ``(B, HV, T, Dv)`` values; ``HV`` a multiple of ``H`` (grouped value heads: value
+        head ``j`` reads q/k head ``j // (HV // H)``, as in flash-linear-attention and
+        transformers; no repeated copy of ``q`` or ``k`` is made).
     log_g : Tensor
-        ``log α``, finite and ``<= 0``, same dtype and device as ``q``: ``(B, H, T)`` (one gate
-        per head and token) or ``(B, H, T, Dk)`` (one per key channel; ``Dk`` is the key
+        ``log α``, finite and ``<= 0``, same dtype and device as ``q``: ``(B, HV, T)`` (one gate
+        per value head and token) or ``(B, HV, T, Dk)`` (one per key channel; ``Dk`` is the key
         dimension after ``feature_map``).
     beta : Tensor
-        ``(B, H, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
+        ``(B, HV, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
     method : str
         ``"auto"`` (= ``"chunk"``), ``"chunk"`` or ``"recurrent"``; case-insensitive.
     chunk_size : int
@@ -57,17 +59,17 @@ def gated_delta_rule(
         φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
         (the default) uses them as given.
     initial_state : Tensor, optional
-        ``(B, H, Dk, Dv)``, the state before the first token.
+        ``(B, HV, Dk, Dv)``, the state before the first token.
     return_state : bool
         Also return the state after the last token.
 
     Returns
     -------
     out : Tensor
-        ``(B, H, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs, float64
+        ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs, float64
         for float64).
     state : Tensor
-        Only if ``return_state``: ``(B, H, Dk, Dv)``, float32 (float64 for float64 inputs).
+        Only if ``return_state``: ``(B, HV, Dk, Dv)``, float32 (float64 for float64 inputs).
         Resuming from it with the rest of a sequence equals one run.
 
     Raises
@@ -77,8 +79,8 @@ def gated_delta_rule(
         tensor or has another dtype than ``q``; a non-str method; a non-int chunk size; a
         non-bool flag; an ``initial_state`` that is not a floating tensor.
     ValueError
-        Wrong ranks or shapes, an empty dimension; ``log_g`` not ``(B, H, T)`` or
-        ``(B, H, T, Dk)``, on another device, with a positive, NaN or infinite entry; ``beta``
+        Wrong ranks or shapes, an empty dimension; ``log_g`` not ``(B, HV, T)`` or
+        ``(B, HV, T, Dk)``, on another device, with a positive, NaN or infinite entry; ``beta``
         of the wrong shape or device, or with an entry outside ``[0, 2]``; an unknown method;
         ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; a
         position-dependent feature map with ``initial_state`` or without a fixed ``max_len``.
@@ -91,18 +93,19 @@ def gated_delta_rule(
     an output before ``t`` (in both methods). Autocast is switched off inside.
     """
     p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
-    B, H, T, Dk = p.k.shape
+    B, _, T, Dk = p.k.shape
+    HV = v.shape[1]
     if isinstance(log_g, Tensor) and log_g.dim() == 3:
-        check_like_q(log_g, "log_g", (B, H, T), "(batch, heads, seq)", q)
+        check_like_q(log_g, "log_g", (B, HV, T), "(batch, heads, seq)", q)
     else:
         mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
-        check_like_q(log_g, "log_g", (B, H, T, Dk), "(batch, heads, seq) or (batch, heads, seq, key features)", q,
-                     extra=mapped)
-    check_like_q(beta, "beta", (B, H, T), "(batch, heads, seq)", q)
+        check_like_q(log_g, "log_g", (B, HV, T, Dk),
+                     "(batch, heads, seq) or (batch, heads, seq, key features)", q, extra=mapped)
+    check_like_q(beta, "beta", (B, HV, T), "(batch, heads, seq)", q)
     _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (α = exp(log_g) in (0, 1])")
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
-        log_g = log_g.to(p.acc)                                       # (B, H, T) or (B, H, T, Dk)
+        log_g = log_g.to(p.acc)                                       # (B, HV, T) or (B, HV, T, Dk)
         beta = beta.to(p.acc)
         out, S = run(p, lambda: recurrent_gated_delta_rule(p.q, p.k, p.v, log_g, beta, p.S0),
                      lambda q, k, v: _chunk(q, k, v, log_g, beta, p.S0, p.chunk_size))

@@ -39,9 +39,11 @@ def gated_linear_attention(
     q, k : Tensor
         ``(B, H, T, D)`` queries and keys, floating point, same dtype and device.
     v : Tensor
-        ``(B, H, T, Dv)`` values.
+        ``(B, HV, T, Dv)`` values; ``HV`` a multiple of ``H`` (grouped value heads: value
+        head ``j`` reads q/k head ``j // (HV // H)``, as in flash-linear-attention and
+        transformers; no repeated copy of ``q`` or ``k`` is made).
     log_g : Tensor
-        ``(B, H, T, Dk)`` log of the gates, finite and ``<= 0``, same dtype and device as
+        ``(B, HV, T, Dk)`` log of the gates, finite and ``<= 0``, same dtype and device as
         ``q``. ``Dk`` is the key dimension after the feature map (``D`` when
         ``feature_map`` is None).
     method, chunk_size, feature_map, initial_state, return_state
@@ -50,9 +52,9 @@ def gated_linear_attention(
     Returns
     -------
     out : Tensor
-        ``(B, H, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
+        ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
     state : Tensor
-        Only if ``return_state``: ``(B, H, Dk, Dv)``, float32 (float64 for float64 inputs).
+        Only if ``return_state``: ``(B, HV, Dk, Dv)``, float32 (float64 for float64 inputs).
 
     Raises
     ------
@@ -63,9 +65,9 @@ def gated_linear_attention(
         positive, NaN or infinite entry.
     """
     p = prepare("gated_linear_attention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
-    B, H, T, Dk = p.k.shape
+    B, _, T, Dk = p.k.shape
     mapped = "" if feature_map is None else f" (k has {k.shape[-1]} dims, {Dk} features after feature_map)"
-    check_like_q(log_g, "log_g", (B, H, T, Dk), "(batch, heads, seq, key features)", q, extra=mapped)
+    check_like_q(log_g, "log_g", (B, v.shape[1], T, Dk), "(batch, heads, seq, key features)", q, extra=mapped)
     _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (g = exp(log_g) in (0, 1])")
     with no_autocast(q.device):
         log_g = log_g.to(p.acc)

@@ -9,6 +9,7 @@ from torch import Tensor
 from ..._autograd import autograd_must_see_every_op, differentiable_backward
 from ..._numerics import LOG_G_FLOOR
 from .._common import from_chunks, groups, num_chunks, to_chunks, zeros_state
+from ..value_heads import SharedRows, repeat_heads
 from ..decay import (decay_factors, level_products_backward, mild_groups, padded_chunk, prefix_factors,
                      prefix_factors_backward, scores_by_cat, scores_fast, scores_fast_backward)
 
@@ -16,7 +17,9 @@ __all__ = ["chunk_gated_linear_attention", "gla_chunk", "gla_chunk_ops"]
 
 
 def gla_chunk_ops(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S0: Tensor) -> tuple[Tensor, Tensor]:
-    """GLA's chunk form op by op (differentiable by autograd): ``(out (B, H, N, Cp, Dv), S_final)``."""
+    """GLA's chunk form op by op (differentiable by autograd): ``(out (B, HV, N, Cp, Dv), S_final)``
+    (grouped value heads: ``q``, ``k`` with ``H`` heads are repeated to ``HV``)."""
+    q, k = (repeat_heads(x, v.shape[1] // k.shape[1]) for x in (q, k))
     from_start, to_end, total, levels = decay_factors(g)
     A = scores_by_cat(q, k, False, levels)
     U = (k * to_end).transpose(-1, -2) @ v                                    # (B, H, N, Dk, Dv)
@@ -33,37 +36,45 @@ class _GLAChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, S0):
         B, H, N, Cp, Dk = q.shape
-        Dv = v.shape[-1]
-        BH, BHN = B * H, B * H * N
-        q3, k3, g3, v3 = (x.reshape(BHN, Cp, x.shape[-1]) for x in (q, k, g, v))
+        HV, Dv = v.shape[1], v.shape[-1]
+        BH, BHN = B * HV, B * HV * N                                       # rows of the value heads
+        shared = SharedRows(B, H, HV, N, q.device)                         # grouped value heads
+        q3, k3 = q.reshape(B * H * N, Cp, Dk), k.reshape(B * H * N, Cp, Dk)
+        g3, v3 = g.reshape(BHN, Cp, Dk), v.reshape(BHN, Cp, Dv)
         A = q3.new_empty(BHN, Cp, Cp)
-        fs, te, tot = torch.empty_like(q3), torch.empty_like(q3), q3.new_empty(BHN, 1, Dk)
+        fs, te, tot = torch.empty_like(g3), torch.empty_like(g3), g3.new_empty(BHN, 1, Dk)
         U = q3.new_empty(BHN, Dk, Dv)
         parts = groups(BHN, Cp * max(Cp, Dk, Dv))
-        mild = mild_groups(parts, g3, q3, k3)
-        inv = torch.empty_like(q3) if any(mild) else None
+        mild = mild_groups(parts, g3, q3, k3, shared.per_row)
+        inv = torch.empty_like(g3) if any(mild) else None
         for grp, prefix in zip(parts, mild):
+            q_g, k_g = shared.read(q3, grp), shared.read(k3, grp)
             if prefix:
                 fs[grp], inv[grp], te[grp], tot[grp] = prefix_factors(g3[grp])
-                torch.bmm(q3[grp] * fs[grp], (k3[grp] * inv[grp]).transpose(1, 2), out=A[grp]).tril_()
+                torch.bmm(q_g * fs[grp], (k_g * inv[grp]).transpose(1, 2), out=A[grp]).tril_()
             else:
-                A[grp], products = scores_fast(q3[grp], k3[grp], False, g3[grp])
+                A[grp], products = scores_fast(q_g, k_g, False, g3[grp])
                 fs[grp], te[grp], tot[grp] = products.ends()
-            torch.bmm((k3[grp] * te[grp]).transpose(1, 2), v3[grp], out=U[grp])
+            torch.bmm((k_g * te[grp]).transpose(1, 2), v3[grp], out=U[grp])
         U4, tot4 = U.view(BH, N, Dk, Dv), tot.view(BH, N, Dk, 1)
         S_before = U.new_empty(BH, N, Dk, Dv)
         S = S0.reshape(BH, Dk, Dv)
+        final = U.new_empty(S0.shape)                   # S0's shape, not a view: a state the caller may write into
         for n in range(N):
             S_before[:, n] = S
-            S = torch.addcmul(U4[:, n], tot4[:, n], S)
+            if n < N - 1:
+                S = torch.addcmul(U4[:, n], tot4[:, n], S)
+            else:
+                torch.addcmul(U4[:, n], tot4[:, n], S, out=final.view(BH, Dk, Dv))
         del U, U4
         Sb3 = S_before.view(BHN, Dk, Dv)
-        out = q3.new_empty(BHN, Cp, Dv)
+        out = q3.new_empty(B, HV, N, Cp, Dv)                                # returned as it is: not a view
+        out3 = out.view(BHN, Cp, Dv)
         for grp in parts:
-            torch.baddbmm(torch.bmm(A[grp], v3[grp]), q3[grp] * fs[grp], Sb3[grp], out=out[grp])
+            torch.baddbmm(torch.bmm(A[grp], v3[grp]), shared.read(q3, grp) * fs[grp], Sb3[grp], out=out3[grp])
         ctx.mild, ctx.parts = mild, parts        # the backward takes the same groups
         ctx.save_for_backward(q, k, v, g, S0, A, S_before, fs, te, tot, inv)
-        return out.view(B, H, N, Cp, Dv), S.view(B, H, Dk, Dv)
+        return out, final
 
     @staticmethod
     def backward(ctx, d_out, d_S):
@@ -73,15 +84,17 @@ class _GLAChunk(torch.autograd.Function):
             # differentiate the same equations op by op instead, from the inputs.
             return differentiable_backward(gla_chunk_ops, (q, k, v, g, S0), d_out, d_S)
         B, H, N, Cp, Dk = q.shape
-        Dv = v.shape[-1]
-        BH, BHN = B * H, B * H * N
-        q3, k3, g3, v3 = (x.reshape(BHN, Cp, x.shape[-1]) for x in (q, k, g, v))
+        HV, Dv = v.shape[1], v.shape[-1]
+        BH, BHN = B * HV, B * HV * N
+        shared = SharedRows(B, H, HV, N, q.device)
+        q3, k3 = q.reshape(B * H * N, Cp, Dk), k.reshape(B * H * N, Cp, Dk)
+        g3, v3 = g.reshape(BHN, Cp, Dk), v.reshape(BHN, Cp, Dv)
         dO = v3.new_zeros(BHN, Cp, Dv) if d_out is None else d_out.reshape(BHN, Cp, Dv)
         dS = S_before.new_zeros(BH, Dk, Dv) if d_S is None else d_S.reshape(BH, Dk, Dv)
         parts = ctx.parts                    # the forward's groups, whatever GROUP_NUMBERS is now
         QdO = q3.new_empty(BHN, Dk, Dv)
         for grp in parts:
-            torch.bmm((q3[grp] * fs[grp]).transpose(1, 2), dO[grp], out=QdO[grp])
+            torch.bmm((shared.read(q3, grp) * fs[grp]).transpose(1, 2), dO[grp], out=QdO[grp])
         QdO4, tot4 = QdO.view(BH, N, Dk, Dv), tot.view(BH, N, Dk, 1)
         dS_after = S_before.new_empty(BH, N, Dk, Dv)                          # d loss / d (state after chunk n)
         for n in range(N - 1, -1, -1):
@@ -89,9 +102,11 @@ class _GLAChunk(torch.autograd.Function):
             dS = torch.addcmul(QdO4[:, n], tot4[:, n], dS)
         del QdO, QdO4
         Sb3, dSa3 = S_before.view(BHN, Dk, Dv), dS_after.view(BHN, Dk, Dv)
-        dq, dk, dg, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(g3), torch.empty_like(v3)
+        dq, dk = shared.gradient(q3), shared.gradient(k3)
+        dg, dv = torch.empty_like(g3), torch.empty_like(v3)
         for grp, prefix in zip(parts, ctx.mild):
-            q_g, k_g, v_g, dO_g, Sb_g, dSa_g = q3[grp], k3[grp], v3[grp], dO[grp], Sb3[grp], dSa3[grp]
+            q_g, k_g, v_g, dO_g, Sb_g, dSa_g = shared.read(q3, grp), shared.read(k3, grp), v3[grp], dO[grp], Sb3[grp], dSa3[grp]
+            dq_g, dk_g = shared.target(dq, grp), shared.target(dk, grp)
             fs_g, te_g = fs[grp], te[grp]
             ke = k_g * te_g
             torch.baddbmm(torch.bmm(A[grp].transpose(1, 2), dO_g), ke, dSa_g, out=dv[grp])
@@ -105,17 +120,18 @@ class _GLAChunk(torch.autograd.Function):
                 dA.tril_()
                 dqf.baddbmm_(dA, kh)
                 dkh = torch.bmm(dA.transpose(1, 2), qf)
-                dq[grp] = dqf * fs_g
-                dk[grp] = torch.addcmul(dkh * inv_g, dke, te_g)
+                torch.mul(dqf, fs_g, out=dq_g)
+                torch.mul(dkh, inv_g, out=dk_g).addcmul_(dke, te_g)
                 dg[grp] = prefix_factors_backward(dqf.mul_(qf), dkh.mul_(kh), dke.mul_(ke), c_tot)
-                continue
-            dq_g, dk_g, a_levels, b_levels, _ = scores_fast_backward(dA, q_g, k_g, False, g3[grp])
-            dq[grp] = dq_g.addcmul_(dqf, fs_g)
-            dk[grp] = dk_g.addcmul_(dke, te_g)
-            dg[grp] = level_products_backward(dqf.mul_(q_g).mul_(fs_g), dke.mul_(ke), c_tot, a_levels, b_levels)
-        shape = (B, H, N, Cp)
-        return (dq.view(*shape, Dk), dk.view(*shape, Dk), dv.view(*shape, Dv), dg.view(*shape, Dk),
-                dS.view(B, H, Dk, Dv))
+            else:
+                dq_p, dk_p, a_levels, b_levels, _ = scores_fast_backward(dA, q_g, k_g, False, g3[grp])
+                torch.addcmul(dq_p, dqf, fs_g, out=dq_g)
+                torch.addcmul(dk_p, dke, te_g, out=dk_g)
+                dg[grp] = level_products_backward(dqf.mul_(q_g).mul_(fs_g), dke.mul_(ke), c_tot, a_levels, b_levels)
+            shared.commit(dq, grp, dq_g)
+            shared.commit(dk, grp, dk_g)
+        return (dq.view(B, H, N, Cp, Dk), dk.view(B, H, N, Cp, Dk), dv.view(B, HV, N, Cp, Dv),
+                dg.view(B, HV, N, Cp, Dk), dS.view(B, HV, Dk, Dv))
 
 
 def gla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S0: Tensor) -> tuple[Tensor, Tensor]:

@@ -42,10 +42,12 @@ def retention(
     q, k : Tensor
         ``(B, H, T, D)`` queries and keys, floating point, same dtype and device.
     v : Tensor
-        ``(B, H, T, Dv)`` values.
+        ``(B, HV, T, Dv)`` values; ``HV`` a multiple of ``H`` (grouped value heads: value
+        head ``j`` reads q/k head ``j // (HV // H)``, as in flash-linear-attention and
+        transformers; no repeated copy of ``q`` or ``k`` is made).
     gamma : float or Tensor
         The decay ``γ`` in ``(0, 1]``: one Python float for every head, or a tensor of
-        shape ``(H,)`` (one per head, any floating dtype, on the inputs' device; it is
+        shape ``(HV,)`` (one per value head, any floating dtype, on the inputs' device; it is
         differentiable). A 0-d tensor is refused: pass ``float(gamma)``.
     method : str
         ``"auto"`` (= ``"chunk"``), ``"chunk"`` or ``"recurrent"``; case-insensitive.
@@ -55,7 +57,7 @@ def retention(
         φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
         (the default) uses them as given.
     initial_state : Tensor, optional
-        ``(B, H, Dk, Dv)``, the state ``S0`` before the first token (``Dk = D``, or the
+        ``(B, HV, Dk, Dv)``, the state ``S0`` before the first token (``Dk = D``, or the
         feature dimension of φ), for instance the state returned by an earlier call.
     return_state : bool
         Also return the state after the last token.
@@ -63,10 +65,10 @@ def retention(
     Returns
     -------
     out : Tensor
-        ``(B, H, T, Dv)`` in the dtype of ``q``. Computed in float32 for float16/bfloat16
+        ``(B, HV, T, Dv)`` in the dtype of ``q``. Computed in float32 for float16/bfloat16
         inputs (float64 for float64).
     state : Tensor
-        Only if ``return_state``: ``(B, H, Dk, Dv)`` in float32 (float64 for float64
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` in float32 (float64 for float64
         inputs). Resuming from it with the rest of a sequence equals one run.
 
     Raises
@@ -77,7 +79,7 @@ def retention(
         flag; an ``initial_state`` that is not a floating tensor.
     ValueError
         Wrong ranks or shapes, an empty dimension; ``gamma`` outside ``(0, 1]``, not finite,
-        or a tensor not of shape ``(H,)`` or on another device; an unknown method;
+        or a tensor not of shape ``(HV,)`` or on another device; an unknown method;
         ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; features of
         another shape or device than their inputs; a position-dependent feature map
         (cosFormer) with ``initial_state`` or without a fixed ``max_len``. Under
@@ -92,7 +94,7 @@ def retention(
     """
     p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
     with no_autocast(q.device):
-        gamma_t = _check_gamma(gamma, q, p.acc)
+        gamma_t = _check_gamma(gamma, q, v.shape[1], p.acc)
         out, S = run(p, lambda: recurrent_retention(p.q, p.k, p.v, gamma_t, p.S0),
                      lambda q, k, v: _chunk(q, k, v, gamma_t, p.S0, p.chunk_size))
     return output_and_state(out, S, q.dtype, p.return_state)
@@ -103,7 +105,7 @@ def _chunk(q, k, v, gamma, S0, chunk_size):
     if backends.select("retention", q, k, v, gamma, S0) == "cpu":
         from ...kernels.cpu import decay_cpu
 
-        B, H, T, _ = k.shape
+        B, H, T, _ = k.shape                                          # (the CPU kernel has H = HV)
         alpha = gamma.view(1, H, 1).expand(B, H, T)                   # autograd sums its gradient into gamma
         return decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
     return chunk_retention(q, k, v, gamma, S0, chunk_size)
@@ -112,9 +114,9 @@ def _chunk(q, k, v, gamma, S0, chunk_size):
 # --------------------------------------------------------------------------- checks
 
 
-def _check_gamma(gamma, q: Tensor, acc: torch.dtype) -> Tensor:
-    """``γ`` as an (H,) tensor in ``acc`` on q's device (differentiable if ``gamma`` is)."""
-    H = q.shape[1]
+def _check_gamma(gamma, q: Tensor, v_heads: int, acc: torch.dtype) -> Tensor:
+    """``γ`` as an (H,) tensor in ``acc`` on q's device (differentiable if ``gamma`` is); ``H`` the heads of v."""
+    H = v_heads
     if isinstance(gamma, Tensor):
         if not gamma.is_floating_point():
             raise TypeError(f"gamma must be a float or a floating-point tensor, got dtype {gamma.dtype}")

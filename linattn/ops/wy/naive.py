@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..decay import decay_factors, scalar_decay, scores_by_cat
+from ..value_heads import repeat_heads
 
 __all__ = ["solve_and_scan", "wy_chunk_ops", "wy_chunk_channel_ops"]
 
@@ -26,7 +27,9 @@ def solve_and_scan(P, A, qf, kf, ke, v, beta, S0, total):
 
 
 def wy_chunk_ops(q, k, v, beta, S0, g=None):
-    """The chunk form with one gate per head (log-gates ``g`` ``(B, H, N, C, 1)``) or none, op by op."""
+    """The chunk form with one gate per head (log-gates ``g`` ``(B, HV, N, C, 1)``) or none, op by op
+    (grouped value heads: ``q``, ``k`` with ``H`` heads are repeated to ``HV``)."""
+    q, k = (repeat_heads(x, v.shape[1] // k.shape[1]) for x in (q, k))
     kt = k.transpose(-1, -2)
     QK = (q @ kt).tril()                                # tril first: an overflowing later score times 0 is NaN
     KK = (k @ kt).tril(-1)
@@ -37,7 +40,9 @@ def wy_chunk_ops(q, k, v, beta, S0, g=None):
 
 
 def wy_chunk_channel_ops(q, k, v, beta, S0, g):
-    """The chunk form with one gate per key channel (log-gates ``g`` ``(B, H, N, C, Dk)``, ``C`` a power of two), op by op."""
+    """The chunk form with one gate per key channel (log-gates ``g`` ``(B, HV, N, C, Dk)``, ``C`` a power of two),
+    op by op (``q``, ``k`` repeated to ``HV`` heads)."""
+    q, k = (repeat_heads(x, v.shape[1] // k.shape[1]) for x in (q, k))
     fs, te, total, levels = decay_factors(g)
     P, A = scores_by_cat(q, k, False, levels), scores_by_cat(k, k, True, levels)
     return solve_and_scan(P, A, q * fs, k * fs, k * te, v, beta, S0, total.transpose(-1, -2))
