@@ -174,7 +174,6 @@ class LinearMixer(GroupedHeads, nn.Module):
                                                                                 n_v_heads, rule)
         self.head_dim, self.v_head_dim, self.gate_rank = Dk, Dv, gate_rank
         self.group_size = n_heads // n_kv_heads                  # query heads per key-value head
-        self.value_group = n_v_heads // n_heads if n_v_heads > n_heads else 1   # value heads per query/key head
         self.n_out_heads = max(n_heads, n_v_heads)               # heads of o: one per query or value head
         self.chunk_size = _checks.check_chunk_size(chunk_size)
         self.negative_eigenvalues = flags["negative_eigenvalues"]
@@ -331,13 +330,10 @@ class LinearMixer(GroupedHeads, nn.Module):
     def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask) -> tuple[Tensor, Tensor]:
         """``o = S_tᵀ q_t`` for every token ``(B, H_o, T, Dv)`` and the last ``S`` ``(B, H_v, Dk, Dv)``,
         through :mod:`linattn.ops`."""
-        G = self.group_size
+        G = self.group_size        # grouped values need nothing here: the ops read q/k head j // r themselves
         if G > 1:                  # grouped queries: each query head runs its key-value head's recurrence
             k, v, log_g, beta, S0 = (None if t is None else t.repeat_interleave(G, dim=1)
                                      for t in (k, v, log_g, beta, S0))
-        elif self.value_group > 1:
-            r = self.value_group
-            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         o, S = self._run_op(q, k, v, log_g, beta, S0, attention_mask)
         return o, (S if G == 1 else S[:, ::G].contiguous())          # one state per key-value head
 
@@ -351,7 +347,8 @@ class LinearMixer(GroupedHeads, nn.Module):
                 return retention(q, k, v, log_gamma.exp(), **options)
             # A fixed γ would still decay the state at a padded token: GLA with log α = 0 there.
             real = attention_mask[:, None, :, None]                       # (B, 1, T, 1)
-            log_g = torch.where(real, log_gamma[:, None, None], 0.0).expand_as(k)   # (B, H, T, Dk)
+            log_g = torch.where(real, log_gamma[:, None, None], 0.0)      # (B, H_v, T, 1)
+            log_g = log_g.expand(*log_g.shape[:3], k.shape[-1])           # (B, H_v, T, Dk)
             return gated_linear_attention(q, k, v, log_g.contiguous(), **options)
         if self.rule == "gla":
             return gated_linear_attention(q, k, v, log_g, **options)

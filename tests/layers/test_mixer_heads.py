@@ -222,3 +222,25 @@ def test_a_decoding_step_multiplies_and_sums_instead_of_calling_conv1d(dtype, mo
         monkeypatch.setattr(F, "conv1d", refuse)
         y = m(x[:, :1], state=state)
     assert y.shape == (2, 1, 32)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_grouped_value_heads_reach_the_ops_without_repeated_queries_and_keys(rule, monkeypatch):
+    """q and k keep their H heads on the way to linattn.ops (value head j reads head j // r there): the
+    layer never materialises r copies of them."""
+    import linattn.layers.mixer as mixer_module
+
+    seen = []
+    for name in ("retention", "gated_linear_attention", "delta_rule", "gated_delta_rule"):
+        def spy(q, k, v, *args, _op=getattr(mixer_module, name), **kwargs):
+            seen.append((q.shape[1], k.shape[1], v.shape[1]))
+            return _op(q, k, v, *args, **kwargs)
+
+        monkeypatch.setattr(mixer_module, name, spy)
+    m = _mixer(rule)
+    x = _x(T=5)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, 0] = False
+    with torch.no_grad():
+        m(x), m(x, attention_mask=mask), m(x[:, :1])
+    assert seen == [(2, 2, 4)] * 3
