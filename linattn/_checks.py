@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._numerics import unwrap
+from ._numerics import has_values, unwrap
 
 
 def shape_str(shape) -> str:
@@ -151,6 +151,14 @@ def check_positive_float(x, name: str, dtype: torch.dtype) -> float:
     return x
 
 
+def check_scale(scale, dtype: torch.dtype) -> Optional[float]:
+    """``scale`` of the linear ops: None (or 1: nothing to multiply) or a positive normal number of ``dtype``."""
+    if scale is None:
+        return None
+    scale = check_positive_float(scale, "scale", dtype)
+    return None if scale == 1 else scale
+
+
 def check_attention_mask(mask, k: Tensor) -> Optional[Tensor]:
     """``mask`` is None or a (batch, seq_k) mask for ``k``; returns it as a bool tensor (True = real token)."""
     return attention_mask_as_bool(mask, k.shape[0], k.shape[2], k.device)
@@ -177,9 +185,12 @@ def attention_mask_as_bool(mask, batch: int, seq: int, device, name: str = "atte
 
 
 def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -> None:
-    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}``."""
+    """Every entry of the bool tensor ``ok`` is True; else ``{name} must be {need}`` (nothing to check on
+    meta and fake tensors, which hold no values)."""
     if torch.compiler.is_compiling():
         torch._assert_async(ok.all(), f"{name} must be {need}")
+        return
+    if not has_values(ok):                   # meta and fake tensors: no values to check
         return
     with torch.no_grad():
         ok = unwrap(ok)                      # under torch.func transforms: every element's values
@@ -196,6 +207,8 @@ def check_values(ok: Tensor, name: str, need: str, x: Optional[Tensor] = None) -
 
 def check_log_gate(log_g: Tensor, name: str, need: str) -> None:
     """Every entry of ``log_g`` is finite and ``<= 0``; else the ValueError of :func:`check_values`."""
+    if not has_values(log_g):
+        return
     if not torch.compiler.is_compiling():
         with torch.no_grad():
             x = unwrap(log_g)

@@ -39,6 +39,8 @@ def has_values(t: Tensor) -> bool:
     ``FakeTensorMode`` (``torch.export``, shape propagation), whose values checks must skip."""
     if t.device.type == "meta":
         return False
+    if compiling():                          # under torch.compile the checks run inside the graph
+        return True
     fake = getattr(torch._subclasses, "FakeTensor", None)
     return fake is None or not isinstance(unwrap(t), fake)
 
@@ -93,24 +95,25 @@ class CausalPoison:
     q, k : Tensor
         ``(B, H, T, Dk)`` features of queries and keys.
     v : Tensor
-        ``(B, H, T, Dv)`` values.
+        ``(B, HV, T, Dv)`` values (``HV`` a multiple of ``H``: value head ``j`` reads q/k head ``j // (HV // H)``).
     """
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         bad_q, bad_k, bad_v = ~torch.isfinite(q), ~torch.isfinite(k), ~torch.isfinite(v)
         self.q, self.k, self.v = q.masked_fill(bad_q, 0.0), k.masked_fill(bad_k, 0.0), v.masked_fill(bad_v, 0.0)
-        bad_key = bad_k.any(-1, keepdim=True)                                    # (B, H, T, 1)
-        seen = (bad_key | bad_v).to(torch.int32).cumsum(dim=2) > 0               # (B, H, T, Dv): some s <= t
-        self._out = seen | bad_q.any(-1, keepdim=True)                           # (B, H, T, Dv)
+        r = v.shape[1] // k.shape[1]                    # grouped value heads: v's head j reads q/k head j // r
+        bad_key = bad_k.any(-1, keepdim=True).repeat_interleave(r, dim=1)       # (B, HV, T, 1)
+        seen = (bad_key | bad_v).to(torch.int32).cumsum(dim=2) > 0               # (B, HV, T, Dv): some s <= t
+        self._out = seen | bad_q.any(-1, keepdim=True).repeat_interleave(r, dim=1)   # (B, HV, T, Dv)
         self._state = seen[:, :, -1:]                                            # (B, H, 1, Dv): columns of S
         self._z = bad_key.any(dim=2)                                             # (B, H, 1): all of z
 
     def outputs(self, out: Tensor) -> Tensor:
-        """``(B, H, T, Dv)`` outputs with NaN where they depend on a non-finite input."""
+        """``(B, HV, T, Dv)`` outputs with NaN where they depend on a non-finite input."""
         return out.masked_fill(self._out, float("nan"))
 
     def state(self, S: Tensor) -> Tensor:
-        """``(B, H, Dk, Dv)`` state with NaN in the columns that saw a non-finite value or key."""
+        """``(B, HV, Dk, Dv)`` state with NaN in the columns that saw a non-finite value or key."""
         return S.masked_fill(self._state, float("nan"))
 
     def normaliser(self, z: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from torch import Tensor
 from . import _checks, backends
 from ._deprecated import moved
 from ._numerics import all_finite, compiling, divide_by_normaliser, masked_matmul, no_autocast, safe_normaliser
+from .ops.varlen import check_cu_seqlens
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
 from .state import LinearAttentionState, check_initial_state
@@ -110,6 +111,8 @@ def linear_attention(
     attention_mask: Optional[Tensor] = None,
     initial_state: Optional[LinearAttentionState] = None,
     return_state: bool = False,
+    scale: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Linear attention: softmax's similarity replaced by ``φ(q)ᵀφ(k)``.
 
@@ -154,9 +157,20 @@ def linear_attention(
         zeroes ``φ(k)`` after the feature map (zeroing ``k`` first would not do, since
         ``elu(0) + 1 = 1``).
     initial_state : LinearAttentionState, optional
-        State to start from: ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)``.
+        State to start from: ``S`` ``(B, H, M, Dv)`` and ``z`` ``(B, H, M)`` (``N`` in place of
+        ``B`` with ``cu_seqlens``).
     return_state : bool
         Also return the state after the last key (``initial_state`` included).
+    scale : float, optional
+        Multiplies ``q`` before φ (after φ it would cancel in the normalised output). None (the
+        default) means 1: linattn scales nothing unless asked, unlike PyTorch's SDPA and
+        flash-linear-attention, whose default is ``D ** -0.5``.
+    cu_seqlens : Tensor, optional
+        Causal only: a packed batch (flash-linear-attention's meaning): ``B = 1``, ``N``
+        sequences end to end along ``T``, ``cu_seqlens`` their ``N + 1`` offsets (1-D int32 or
+        int64, non-decreasing from 0 to ``T``; empty sequences allowed). Each sequence has its
+        own state (``S`` ``(N, H, M, Dv)``, ``z`` ``(N, H, M)``; an empty sequence returns its
+        initial state, or zeros); outputs, states and gradients equal one call per sequence.
 
     Returns
     -------
@@ -179,7 +193,8 @@ def linear_attention(
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a mask that is not a bool or integer
         tensor; a non-bool flag; a feature map that is neither a name, a callable nor None,
-        or that returns no floating tensor; a bad state type; ``key_padding_mask`` (renamed
+        or that returns no floating tensor; a bad state type; a non-numeric ``scale``;
+        ``cu_seqlens`` that is not an int32/int64 tensor; ``key_padding_mask`` (renamed
         ``attention_mask``, with the opposite meaning of PyTorch's).
     ValueError
         Wrong ranks; an empty dimension; batch, heads or dims that disagree; causal with
@@ -189,8 +204,11 @@ def linear_attention(
         ``chunk_size < 1``; ``eps <= 0`` or ``eps`` outside the normal range of the
         computation dtype (float32 for half inputs); a position-dependent feature map
         (cosFormer) with ``initial_state``, or without a fixed ``max_len`` in a causal call
-        or with ``Tq != Tk``. Under ``torch.compile`` the value checks on tensor data (an
-        integer mask's values) run inside the graph and raise RuntimeError.
+        or with ``Tq != Tk``; ``scale`` not a positive normal number; ``cu_seqlens`` not 1-D
+        int32/int64 offsets non-decreasing from 0 to ``T``, with ``causal=False``, ``B != 1``,
+        ``attention_mask`` or a position-dependent feature map. Under ``torch.compile`` the
+        value checks on tensor data (an integer mask's values) run inside the graph and raise
+        RuntimeError.
     """
     _checks.check_qkv(q, k, v, causal=causal)
     causal = _checks.check_bool(causal, "causal")
@@ -199,26 +217,40 @@ def linear_attention(
     acc = _checks.accumulation_dtype(q.dtype)
     eps = _checks.check_eps(eps, acc)
     chunk_size = _checks.check_chunk_size(chunk_size)
+    scale = _checks.check_scale(scale, acc)
+    packing = None
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError("cu_seqlens (a packed batch of sequences) needs causal=True: non-causal attention "
+                             "over a packed batch would mix its sequences")
+        packing = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], attention_mask)
     attention_mask = _checks.check_attention_mask(attention_mask, k)
     method = resolve_linear_attention_method(method, causal)
     phi = resolve_feature_map(feature_map)
     _checks.check_position_dependent(phi, causal=causal, resumed=initial_state is not None,
                                      same_length=q.shape[2] == k.shape[2], caller="linear_attention")
+    if packing is not None and _checks.position_dependent(phi):
+        raise ValueError(f"linear_attention: the position-dependent feature_map {type(phi).__name__} cannot see "
+                         "where the sequences of a packed batch (cu_seqlens) start; pass their features yourself")
     with no_autocast(q.device):
-        out, state = _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask,
-                                       initial_state, return_state, acc)
+        if packing is None:
+            out, state = _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask,
+                                           initial_state, return_state, acc, scale)
+        else:
+            out, state = _packed(packing, q, k, v, phi, normalize, eps, method, chunk_size, initial_state, acc, scale)
     out = out.to(q.dtype)
     return (out, state) if return_state else out
 
 
 def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, attention_mask, initial_state,
-                      return_state, acc):
+                      return_state, acc, scale=None):
     """The computation of :func:`linear_attention` on checked arguments: (output in ``acc``, state or None)."""
+    q_acc = q.to(acc) if scale is None else q.to(acc) * scale             # scaled before φ
     if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
-            and backends.select("linear_attention", q.to(acc), k, v, chunk_size=chunk_size) == "cpu"):
-        return _cpu_chunk(q.to(acc), k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
+            and backends.select("linear_attention", q_acc, k, v, chunk_size=chunk_size) == "cpu"):
+        return _cpu_chunk(q_acc, k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
-    phi_q, phi_k = _checks.apply_feature_map(phi, q.to(acc), k.to(acc))    # (B, H, T, M)
+    phi_q, phi_k = _checks.apply_feature_map(phi, q_acc, k.to(acc))       # (B, H, T, M)
     v32 = v.to(acc)
     if attention_mask is not None:                                         # mask after φ; padded keys
         keep = attention_mask[:, None, :, None]                            # and values contribute 0,
@@ -256,6 +288,28 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
         out_aug, S = recurrent_linear_attention(phi_q, phi_k, v_aug, S0)
     out = divide_by_normaliser(out_aug, normalize, eps)                                  # (B, H, Tq, Dv)
     return out, (LinearAttentionState.from_augmented(S) if return_state else None)
+
+
+def _packed(packing, q, k, v, phi, normalize, eps, method, chunk_size, initial_state, acc, scale):
+    """Causal linear attention on a packed batch (:mod:`linattn.ops.varlen`), bucket by bucket: (out, state)."""
+    q_acc = q.to(acc) if scale is None else q.to(acc) * scale
+    phi_q, phi_k = _checks.apply_feature_map(phi, q_acc, k.to(acc))          # (1, H, T, M)
+    v32 = v.to(acc)
+    _, H, _, M = phi_k.shape
+    Dv = v.shape[-1]
+    state0 = check_initial_state(initial_state, packing.N, H, M, Dv, acc, q.device)
+
+    def bucket(q_b, k_b, v_b, s0):
+        start = None if s0 is None else LinearAttentionState._unchecked(*s0)
+        out, st = _linear_attention(q_b, k_b, v_b, None, True, normalize, eps, method, chunk_size, None, start, True,
+                                    acc)
+        return out, (st.S, st.z)
+
+    def zeros(n: int):
+        return phi_k.new_zeros(n, H, M, Dv), phi_k.new_zeros(n, H, M)
+
+    out, (S, z) = packing.run(bucket, (phi_q, phi_k, v32), None if state0 is None else (state0.S, state0.z), zeros)
+    return out, LinearAttentionState(S.contiguous(), z.contiguous())
 
 
 def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
@@ -317,6 +371,7 @@ def linear_attention_step(
     feature_map: "str | FeatureMap | None" = "elu+1",
     normalize: bool = True,
     eps: float = 1e-6,
+    scale: Optional[float] = None,
 ) -> tuple[Tensor, LinearAttentionState]:
     """Causal linear attention for one new token: update the state, then read it with the query.
 
@@ -341,6 +396,8 @@ def linear_attention_step(
     eps : float
         Used in place of a normaliser that is zero, negative or not finite, as in
         :func:`linattn.linear_attention`; a positive normaliser is used as it is.
+    scale : float, optional
+        Multiplies ``q`` before φ, as in :func:`linattn.linear_attention` (None: 1).
 
     Returns
     -------
@@ -353,11 +410,11 @@ def linear_attention_step(
     ------
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a state of the wrong type or whose
-        ``S``/``z`` are not floating tensors.
+        ``S``/``z`` are not floating tensors; a non-numeric ``scale``.
     ValueError
         Wrong ranks, an empty dimension, mismatched (B, H, D), a state whose shapes, dtypes or
-        device do not match, ``eps`` not a positive normal number of the computation dtype, a
-        position-dependent feature map (cosFormer), a feature map whose output has other
+        device do not match, ``eps`` or ``scale`` not a positive normal number of the
+        computation dtype, a position-dependent feature map (cosFormer), a feature map whose output has other
         leading dimensions or lives on another device.
     """
     if not _checks.step_inputs_ok(q, k, v):             # one cheap test; the full checks say what is wrong
@@ -370,12 +427,15 @@ def linear_attention_step(
         if plain and len(_STEP_OPTIONS) < 64:
             _STEP_OPTIONS[key] = options
     phi, normalize, eps, acc = options
+    dtype = q.dtype
+    if scale is not None and _checks.check_scale(scale, acc) is not None:
+        q = q.to(acc) * scale                                            # before φ
     if q.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not compiling():
         out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)      # nothing to switch off
     else:
         with no_autocast(q.device):
             out, S, z = _step(q, k, v, state, phi, normalize, eps, acc)
-    return (out if out.dtype == q.dtype else out.to(q.dtype)), LinearAttentionState._unchecked(S, z)
+    return (out if out.dtype == dtype else out.to(dtype)), LinearAttentionState._unchecked(S, z)
 
 
 _STEP_OPTIONS: dict = {}

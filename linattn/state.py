@@ -395,3 +395,8 @@ def _check_decoding_state(state: DecodingState, name: str = "state") -> None:
         raise TypeError(f"{name}.positions must be an int64 tensor of shape (batch,), got {describe(p)}")
     if p.dim() != 1:
         raise ValueError(f"{name}.positions must have shape (batch,), got {shape_str(p.shape)}")
+
+
+# torch.load's default weights_only=True unpickles only the classes it is told are safe: these hold
+# tensors, lists and ints and run no code when rebuilt (their checks run when a layer uses them).
+torch.serialization.add_safe_globals([LinearAttentionState, MixerState, KVCache, DecodingState])

@@ -208,3 +208,17 @@ def test_gates_beta_and_states_have_the_value_heads(op, bad):
             linattn.delta_rule(q, k, v, args["beta"], initial_state=state)
         else:
             linattn.gated_delta_rule(q, k, v, args["log_g"], args["beta"])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_non_finite_value_in_one_grouped_head_stays_causal_like_the_repeated_call(op):
+    """The chunk form's non-finite path (CausalPoison) with HV = r·H heads: a NaN in value head 1 at
+    position 9 gives the NaNs of the repeated call, and nothing before position 9 changes."""
+    x = {name: t.detach() for name, t in _inputs(op, r=2, T=21).items()}
+    x["v"] = x["v"].clone()
+    x["v"][0, 1, 9, 2] = float("nan")
+    out, S = _call(op, x, x["q"], x["k"], chunk_size=8)
+    ref_out, ref_S = _call(op, x, _repeat(x["q"], 2), _repeat(x["k"], 2), chunk_size=8)
+    torch.testing.assert_close(out, ref_out, **TIGHT, equal_nan=True)
+    torch.testing.assert_close(S, ref_S, **TIGHT, equal_nan=True)
+    assert out[:, :, :9].isfinite().all() and out[1].isfinite().all() and out[0, 1, 9:].isnan().any()

@@ -24,8 +24,11 @@ def delta_rule(
     method: str = "auto",
     chunk_size: int = 64,
     feature_map: Union[str, FeatureMap, None] = None,
+    scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """The delta rule (DeltaNet): each token corrects what the state recalls for its key.
 
@@ -47,42 +50,58 @@ def delta_rule(
         ``(B, H, T, D)`` queries and keys (see the note on normalising keys).
     v : Tensor
         ``(B, HV, T, Dv)`` values; ``HV`` a multiple of ``H`` (grouped value heads: value
-        head ``j`` reads q/k head ``j // (HV // H)``, as in flash-linear-attention and
-        transformers; no repeated copy of ``q`` or ``k`` is made).
+        head ``j`` reads q/k head ``j // (HV // H)``; no repeated copy of ``q`` or ``k`` is made).
     beta : Tensor
-        ``(B, HV, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
+        ``(B, HV, T)`` writing strengths in ``[0, 2]``, on ``q``'s device, in ``q``'s dtype or
+        float32 (float32 with half ``q``, ``k``, ``v`` is computed in float32).
     chunk_size : int
         Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. A smaller
         chunk shrinks the products with a ``C × C`` factor, not those with the ``Dk × Dv`` state
-        (chapter 11 counts them). On a 2-core CPU, timed in the same rounds, ``chunk_size=32``
-        took 0.92 of the forward+backward time of 64 at one thread and 1.01 at two (medians of 41
-        rounds; single rounds from 0.66 to 1.43), so measure it on yours.
-    method, feature_map, initial_state, return_state
+        (chapter 11 counts them); measure ``chunk_size=32`` against 64 on your machine.
+    method, feature_map
         As in :func:`retention`.
+    scale : float, optional
+        Multiplies ``q`` before anything else; None (the default) means 1, unlike SDPA and
+        flash-linear-attention (default ``D ** -0.5``). As in :func:`retention`.
+    initial_state : Tensor, optional
+        ``(B, HV, Dk, Dv)``, the state before the first token (``(N, HV, Dk, Dv)`` with
+        ``cu_seqlens``).
+    return_state : bool
+        Also return the state after the last token.
+    cu_seqlens : Tensor, optional
+        A packed batch of ``N`` sequences (``B = 1``, ``N + 1`` int32/int64 offsets,
+        flash-linear-attention's meaning), one state per sequence; as in :func:`retention`.
+    attention_mask : Tensor, optional
+        ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
+        state, and its output is 0; as in :func:`retention`.
 
     Returns
     -------
     out : Tensor
         ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)``, float32 (float64 for float64 inputs).
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` (``(N, HV, Dk, Dv)`` with ``cu_seqlens``),
+        float32 (float64 for float64 inputs).
 
     Raises
     ------
     TypeError
-        As :func:`retention`; a ``beta`` that is not a tensor or has another dtype than ``q``.
+        As :func:`retention`; a ``beta`` that is not a tensor or whose dtype is neither ``q``'s
+        nor the computation's (float32 for half inputs).
     ValueError
         As :func:`retention`; ``beta`` of the wrong shape, on another device, or with an
         entry outside ``[0, 2]`` (NaN included).
+    RuntimeError
+        Under ``torch.jit.trace``, as :func:`retention`.
     """
-    p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    p = prepare("delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
+                cu_seqlens, attention_mask)
     B, _, T, _ = p.k.shape
     check_like_q(beta, "beta", (B, v.shape[1], T), "(batch, heads, seq)", q)
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
-        beta = beta.to(p.acc)
-        out, S = run(p, lambda: recurrent_delta_rule(p.q, p.k, p.v, beta, p.S0),
-                     lambda q, k, v: _chunk(q, k, v, beta, p.S0, p.chunk_size))
+        out, S = run(p, recurrent_delta_rule, lambda q, k, v, beta, S0: _chunk(q, k, v, beta, S0, p.chunk_size),
+                     p.per_token(beta))
     return output_and_state(out, S, q.dtype, p.return_state)
 
 

@@ -25,8 +25,11 @@ def gated_delta_rule(
     method: str = "auto",
     chunk_size: int = 64,
     feature_map: Union[str, FeatureMap, None] = None,
+    scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """The gated delta rule: a decaying state that each token corrects toward its value.
 
@@ -42,14 +45,15 @@ def gated_delta_rule(
         ``(B, H, T, D)`` queries and keys, floating point, same dtype and device.
     v : Tensor
         ``(B, HV, T, Dv)`` values; ``HV`` a multiple of ``H`` (grouped value heads: value
-        head ``j`` reads q/k head ``j // (HV // H)``, as in flash-linear-attention and
-        transformers; no repeated copy of ``q`` or ``k`` is made).
+        head ``j`` reads q/k head ``j // (HV // H)``, as in Qwen3-Next's 16 q/k and 32 value
+        heads; no repeated copy of ``q`` or ``k`` is made).
     log_g : Tensor
-        ``log α``, finite and ``<= 0``, same dtype and device as ``q``: ``(B, HV, T)`` (one gate
-        per value head and token) or ``(B, HV, T, Dk)`` (one per key channel; ``Dk`` is the key
-        dimension after ``feature_map``).
+        ``log α``, finite and ``<= 0``: ``(B, HV, T)`` (one gate per value head and token) or
+        ``(B, HV, T, Dk)`` (one per key channel; ``Dk`` is the key dimension after
+        ``feature_map``); on ``q``'s device, in ``q``'s dtype or float32 (float32 with half
+        ``q``, ``k``, ``v`` is computed in float32).
     beta : Tensor
-        ``(B, HV, T)`` writing strengths in ``[0, 2]``, same dtype and device as ``q``.
+        ``(B, HV, T)`` writing strengths in ``[0, 2]``, dtype and device as ``log_g``.
     method : str
         ``"auto"`` (= ``"chunk"``), ``"chunk"`` or ``"recurrent"``; case-insensitive.
     chunk_size : int
@@ -58,10 +62,20 @@ def gated_delta_rule(
     feature_map : str, callable or None
         φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
         (the default) uses them as given.
+    scale : float, optional
+        Multiplies ``q`` before anything else; None (the default) means 1, unlike SDPA and
+        flash-linear-attention (default ``D ** -0.5``). As in :func:`retention`.
     initial_state : Tensor, optional
-        ``(B, HV, Dk, Dv)``, the state before the first token.
+        ``(B, HV, Dk, Dv)``, the state before the first token (``(N, HV, Dk, Dv)`` with
+        ``cu_seqlens``).
     return_state : bool
         Also return the state after the last token.
+    cu_seqlens : Tensor, optional
+        A packed batch of ``N`` sequences (``B = 1``, ``N + 1`` int32/int64 offsets,
+        flash-linear-attention's meaning), one state per sequence; as in :func:`retention`.
+    attention_mask : Tensor, optional
+        ``(B, T)``, True (1) for real tokens: a padded position neither writes nor decays the
+        state, and its output is 0; as in :func:`retention`.
 
     Returns
     -------
@@ -69,30 +83,29 @@ def gated_delta_rule(
         ``(B, HV, T, Dv)`` in the dtype of ``q`` (computed in float32 for half inputs, float64
         for float64).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)``, float32 (float64 for float64 inputs).
-        Resuming from it with the rest of a sequence equals one run.
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` (``(N, HV, Dk, Dv)`` with ``cu_seqlens``),
+        float32 (float64 for float64 inputs). Resuming from it with the rest of a sequence
+        equals one run.
 
     Raises
     ------
     TypeError
-        Non-tensor, non-floating or mixed-dtype inputs; a ``log_g`` or ``beta`` that is not a
-        tensor or has another dtype than ``q``; a non-str method; a non-int chunk size; a
-        non-bool flag; an ``initial_state`` that is not a floating tensor.
+        As :func:`retention`; a ``log_g`` or ``beta`` that is not a tensor or whose dtype is
+        neither ``q``'s nor the computation's (float32 for half inputs).
     ValueError
-        Wrong ranks or shapes, an empty dimension; ``log_g`` not ``(B, HV, T)`` or
-        ``(B, HV, T, Dk)``, on another device, with a positive, NaN or infinite entry; ``beta``
-        of the wrong shape or device, or with an entry outside ``[0, 2]``; an unknown method;
-        ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; a
-        position-dependent feature map with ``initial_state`` or without a fixed ``max_len``.
-        Under ``torch.compile`` the checks of tensor values run inside the graph and raise
-        RuntimeError with the same message.
+        As :func:`retention`; ``log_g`` not ``(B, HV, T)`` or ``(B, HV, T, Dk)``, on another
+        device, with a positive, NaN or infinite entry; ``beta`` of the wrong shape or device,
+        or with an entry outside ``[0, 2]``.
+    RuntimeError
+        Under ``torch.jit.trace``, as :func:`retention`.
 
     Notes
     -----
     Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
     an output before ``t`` (in both methods). Autocast is switched off inside.
     """
-    p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    p = prepare("gated_delta_rule", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
+                cu_seqlens, attention_mask)
     B, _, T, Dk = p.k.shape
     HV = v.shape[1]
     if isinstance(log_g, Tensor) and log_g.dim() == 3:
@@ -105,10 +118,9 @@ def gated_delta_rule(
     _checks.check_log_gate(log_g, "log_g", "finite and <= 0 (α = exp(log_g) in (0, 1])")
     _checks.check_values((beta >= 0) & (beta <= 2), "beta", "in [0, 2]", beta)
     with no_autocast(q.device):
-        log_g = log_g.to(p.acc)                                       # (B, HV, T) or (B, HV, T, Dk)
-        beta = beta.to(p.acc)
-        out, S = run(p, lambda: recurrent_gated_delta_rule(p.q, p.k, p.v, log_g, beta, p.S0),
-                     lambda q, k, v: _chunk(q, k, v, log_g, beta, p.S0, p.chunk_size))
+        out, S = run(p, recurrent_gated_delta_rule,
+                     lambda q, k, v, log_g, beta, S0: _chunk(q, k, v, log_g, beta, S0, p.chunk_size),
+                     p.per_token(log_g), p.per_token(beta))
     return output_and_state(out, S, q.dtype, p.return_state)
 
 

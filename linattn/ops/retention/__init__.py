@@ -12,6 +12,7 @@ from ... import backends
 from ..._numerics import no_autocast
 from ...feature_maps import FeatureMap
 from .._common import Result, output_and_state, prepare, run, zeros_state
+from ..gla import chunk_gated_linear_attention, recurrent_gated_linear_attention
 from .chunk import chunk_retention
 from .naive import recurrent_retention
 
@@ -27,8 +28,11 @@ def retention(
     method: str = "auto",
     chunk_size: int = 64,
     feature_map: Union[str, FeatureMap, None] = None,
+    scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     return_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    attention_mask: Optional[Tensor] = None,
 ) -> Result:
     """Retention: causal linear attention whose state decays by a fixed ``γ`` per head.
 
@@ -56,11 +60,28 @@ def retention(
     feature_map : str, callable or None
         φ applied to ``q`` and ``k`` first, as in :func:`linattn.linear_attention`; None
         (the default) uses them as given.
+    scale : float, optional
+        Multiplies ``q`` before anything else (before ``feature_map``). None (the default)
+        means 1: linattn scales nothing unless asked, unlike PyTorch's SDPA and
+        flash-linear-attention, whose default is ``D ** -0.5`` (pass that for theirs).
     initial_state : Tensor, optional
         ``(B, HV, Dk, Dv)``, the state ``S0`` before the first token (``Dk = D``, or the
-        feature dimension of φ), for instance the state returned by an earlier call.
+        feature dimension of φ), for instance the state returned by an earlier call;
+        ``(N, HV, Dk, Dv)`` with ``cu_seqlens``.
     return_state : bool
         Also return the state after the last token.
+    cu_seqlens : Tensor, optional
+        A packed batch (flash-linear-attention's meaning): ``B = 1``, ``N`` sequences end to
+        end along ``T``, and ``cu_seqlens`` their ``N + 1`` offsets, a 1-D int32 or int64
+        tensor non-decreasing from 0 to ``T`` (empty sequences allowed). Every sequence has
+        its own state: ``initial_state`` and the returned state are ``(N, HV, Dk, Dv)`` (an
+        empty sequence returns its initial state, or zeros). Outputs, states and gradients
+        equal one call per sequence.
+    attention_mask : Tensor, optional
+        ``(B, T)`` bool, or integer 0/1: True (1) for real tokens, as Hugging Face's (and
+        :func:`linattn.linear_attention`'s). A padded position, wherever it is, neither writes
+        nor decays the state, and its output is 0: the returned state is that of the real
+        tokens alone (right padding does not decay it by ``γ`` per padded token).
 
     Returns
     -------
@@ -68,35 +89,52 @@ def retention(
         ``(B, HV, T, Dv)`` in the dtype of ``q``. Computed in float32 for float16/bfloat16
         inputs (float64 for float64).
     state : Tensor
-        Only if ``return_state``: ``(B, HV, Dk, Dv)`` in float32 (float64 for float64
-        inputs). Resuming from it with the rest of a sequence equals one run.
+        Only if ``return_state``: ``(B, HV, Dk, Dv)`` (``(N, HV, Dk, Dv)`` with ``cu_seqlens``)
+        in float32 (float64 for float64 inputs). Resuming from it with the rest of a sequence
+        equals one run.
 
     Raises
     ------
     TypeError
         Non-tensor, non-floating or mixed-dtype inputs; a ``gamma`` that is neither a real
-        number nor a floating tensor; a non-str method; a non-int chunk size; a non-bool
-        flag; an ``initial_state`` that is not a floating tensor.
+        number nor a floating tensor; a non-str method; a non-int chunk size; a non-numeric
+        scale; a non-bool flag; an ``initial_state`` that is not a floating tensor; a mask
+        that is not a bool or integer tensor; ``cu_seqlens`` that is not an int32/int64 tensor.
     ValueError
-        Wrong ranks or shapes, an empty dimension; ``gamma`` outside ``(0, 1]``, not finite,
-        or a tensor not of shape ``(HV,)`` or on another device; an unknown method;
-        ``chunk_size < 1``; an ``initial_state`` of the wrong shape or device; features of
-        another shape or device than their inputs; a position-dependent feature map
-        (cosFormer) with ``initial_state`` or without a fixed ``max_len``. Under
-        ``torch.compile`` the checks of tensor values (``gamma``, ``log_g``, ``beta``) run
-        inside the graph and raise RuntimeError with the same message.
+        Wrong ranks or shapes (``v``'s heads not a multiple of ``q``'s), an empty dimension;
+        ``gamma`` outside ``(0, 1]``, not finite, or a tensor not of shape ``(HV,)`` or on
+        another device; an unknown method; ``chunk_size < 1``; ``scale`` not a positive
+        normal number; an ``initial_state`` of the wrong shape or device; features of another
+        shape or device than their inputs; a position-dependent feature map (cosFormer) with
+        ``initial_state``, with ``cu_seqlens`` or without a fixed ``max_len``; a mask of the
+        wrong shape or device; ``cu_seqlens`` not 1-D, not non-decreasing from 0 to ``T``,
+        with ``B != 1`` or with ``attention_mask``. Under ``torch.compile`` the checks of
+        tensor values (``gamma``, ``log_g``, ``beta``) run inside the graph and raise
+        RuntimeError with the same message.
+    RuntimeError
+        Under ``torch.jit.trace`` (the decay ops choose their algorithm per call: use
+        ``torch.compile`` or ``torch.export``).
 
     Notes
     -----
     Causality holds whatever the values: a NaN or infinity at position ``t`` never changes
     an output before ``t`` (in both methods). Autocast is switched off inside: the
-    computation keeps the dtypes above under ``torch.autocast``.
+    computation keeps the dtypes above under ``torch.autocast``. With ``attention_mask`` or
+    ``cu_seqlens`` the decay becomes a gate per token (``log γ`` on real tokens, 0 on
+    padding), computed by GLA's chunk form (:func:`gated_linear_attention`).
     """
-    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state)
+    p = prepare("retention", q, k, v, method, chunk_size, feature_map, initial_state, return_state, scale,
+                cu_seqlens, attention_mask)
     with no_autocast(q.device):
         gamma_t = _check_gamma(gamma, q, v.shape[1], p.acc)
-        out, S = run(p, lambda: recurrent_retention(p.q, p.k, p.v, gamma_t, p.S0),
-                     lambda q, k, v: _chunk(q, k, v, gamma_t, p.S0, p.chunk_size))
+        if p.mask is None and p.packing is None:
+            out, S = run(p, lambda q, k, v, S0: recurrent_retention(q, k, v, gamma_t, S0),
+                         lambda q, k, v, S0: _chunk(q, k, v, gamma_t, S0, p.chunk_size))
+        else:                                                   # a gate per token: 0 (no decay) on padding
+            B, HV, T, _ = p.v.shape
+            log_g = p.per_token(gamma_t.log().view(1, HV, 1).expand(B, HV, T))   # (B, HV, T)
+            out, S = run(p, lambda q, k, v, g, S0: recurrent_gated_linear_attention(q, k, v, g.unsqueeze(-1), S0),
+                         lambda q, k, v, g, S0: _chunk_per_token(q, k, v, g, S0, p.chunk_size), log_g)
     return output_and_state(out, S, q.dtype, p.return_state)
 
 
@@ -109,6 +147,17 @@ def _chunk(q, k, v, gamma, S0, chunk_size):
         alpha = gamma.view(1, H, 1).expand(B, H, T)                   # autograd sums its gradient into gamma
         return decay_cpu(q, k, v, alpha, zeros_state(k, v, S0), chunk_size)
     return chunk_retention(q, k, v, gamma, S0, chunk_size)
+
+
+def _chunk_per_token(q, k, v, log_g, S0, chunk_size):
+    """Retention with a gate per token ``log_g`` ``(B, HV, T)`` (masked or packed): on the CPU kernel, or GLA's
+    chunk form with the gate in every key channel."""
+    if backends.select("retention", q, k, v, log_g, S0) == "cpu":
+        from ...kernels.cpu import decay_cpu
+
+        return decay_cpu(q, k, v, log_g.exp(), zeros_state(k, v, S0), chunk_size)
+    return chunk_gated_linear_attention(q, k, v, log_g.unsqueeze(-1).expand(*log_g.shape, k.shape[-1]), S0,
+                                        chunk_size)
 
 
 # --------------------------------------------------------------------------- checks
