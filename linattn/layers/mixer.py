@@ -16,6 +16,7 @@ from ..ops.delta import delta_rule
 from ..ops.gated_delta import gated_delta_rule
 from ..ops.gla import gated_linear_attention
 from ..ops.retention import retention
+from ..ops.varlen import check_cu_seqlens
 from ..state import MixerState
 from .projections import GroupedHeads, check_head_sizes
 from .short_conv import ShortConvolution
@@ -217,8 +218,8 @@ class LinearMixer(GroupedHeads, nn.Module):
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
-                state: Optional[MixerState] = None, return_state: bool = False
-                ) -> Union[Tensor, tuple[Tensor, MixerState]]:
+                state: Optional[MixerState] = None, return_state: bool = False,
+                cu_seqlens: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, MixerState]]:
         """Mix the tokens of ``x`` (after the tokens summarised by ``state``).
 
         Parameters
@@ -234,6 +235,13 @@ class LinearMixer(GroupedHeads, nn.Module):
             device of ``x``; checked at every call.
         return_state : bool
             Also return the state after the last real token of ``x``.
+        cu_seqlens : Tensor, optional
+            A packed batch (flash-linear-attention's meaning): ``x`` is ``(1, T, d_model)``, ``N``
+            sequences end to end, ``cu_seqlens`` their ``N + 1`` offsets (1-D int32 or int64,
+            from 0 to ``T``, empty sequences allowed); not with ``attention_mask``. Each
+            sequence is mixed alone (the short convolution restarts at its first token), and
+            ``state`` and the returned state hold one sequence each (leading ``N`` in place of
+            ``B``; an empty sequence returns its initial state).
 
         Returns
         -------
@@ -255,10 +263,13 @@ class LinearMixer(GroupedHeads, nn.Module):
             mask that is not ``(B, T)``; a state whose shapes do not match the layer (or with
             ``conv`` None where the layer has a short convolution, or the reverse), or not on
             the device of ``x``; a NaN in ``x`` that reaches ``α`` or ``β`` (the functions of
-            :mod:`linattn.ops` refuse a NaN gate; RuntimeError under ``torch.compile``).
+            :mod:`linattn.ops` refuse a NaN gate; RuntimeError under ``torch.compile``);
+            ``cu_seqlens`` with ``B != 1`` or with ``attention_mask``, not 1-D, or not offsets
+            from 0 to ``T`` that never decrease (TypeError if not an int32/int64 tensor).
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
-        self._check_state(state, x)
+        packing = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], attention_mask)
+        self._check_state(state, x, x.shape[0] if packing is None else packing.N)
         B, T, _ = x.shape
         Dk, Dv = self.head_dim, self.v_head_dim
         acc = _checks.accumulation_dtype(x.dtype)
@@ -270,7 +281,7 @@ class LinearMixer(GroupedHeads, nn.Module):
             qkv = torch.cat([p.to(acc) for p in projected], dim=-1)      # (B, T, C)
             conv_state = None
             if self.conv is not None:
-                qkv, conv_state = self.conv(qkv, attention_mask, None if state is None else state.conv)
+                qkv, conv_state = self.conv(qkv, attention_mask, None if state is None else state.conv, cu_seqlens)
                 qkv = F.silu(qkv)
             q, k, v = qkv.split([p.shape[-1] for p in projected], dim=-1)
             q, k, v = _split_heads(q, Dk), _split_heads(k, Dk), _split_heads(v, Dv)   # (B, ·, T, Dk or Dv)
@@ -285,7 +296,7 @@ class LinearMixer(GroupedHeads, nn.Module):
                 if log_g is not None:
                     log_g = log_g.masked_fill(~(real if log_g.dim() == 3 else real[..., None]), 0.0)
             S0 = None if state is None else state.S.to(acc)               # (B, H_v, Dk, Dv)
-            o, S = self._apply_rule(q, k, v, log_g, beta, S0, attention_mask)   # (B, H_o, T, Dv), (B, H_v, Dk, Dv)
+            o, S = self._apply_rule(q, k, v, log_g, beta, S0, attention_mask, cu_seqlens)   # (B or N for S)
             if self.o_norm is not None:
                 o = o * torch.rsqrt(o.pow(2).mean(dim=-1, keepdim=True) + self.norm_eps) * self.o_norm.to(acc)
             if raw_g is not None:
@@ -327,19 +338,19 @@ class LinearMixer(GroupedHeads, nn.Module):
         # exp(-1000) is 0 in float32 and float64 alike: an overflow to -inf gives the same α = 0
         return log_g.clamp(min=LOG_G_FLOOR), beta
 
-    def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask) -> tuple[Tensor, Tensor]:
+    def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask, cu_seqlens) -> tuple[Tensor, Tensor]:
         """``o = S_tᵀ q_t`` for every token ``(B, H_o, T, Dv)`` and the last ``S`` ``(B, H_v, Dk, Dv)``,
         through :mod:`linattn.ops`."""
         G = self.group_size        # grouped values need nothing here: the ops read q/k head j // r themselves
         if G > 1:                  # grouped queries: each query head runs its key-value head's recurrence
             k, v, log_g, beta, S0 = (None if t is None else t.repeat_interleave(G, dim=1)
                                      for t in (k, v, log_g, beta, S0))
-        o, S = self._run_op(q, k, v, log_g, beta, S0, attention_mask)
+        o, S = self._run_op(q, k, v, log_g, beta, S0, attention_mask, cu_seqlens)
         return o, (S if G == 1 else S[:, ::G].contiguous())          # one state per key-value head
 
-    def _run_op(self, q, k, v, log_g, beta, S0, attention_mask) -> tuple[Tensor, Tensor]:
+    def _run_op(self, q, k, v, log_g, beta, S0, attention_mask, cu_seqlens) -> tuple[Tensor, Tensor]:
         options = dict(method="recurrent" if q.shape[2] == 1 else "chunk", chunk_size=self.chunk_size,
-                       initial_state=S0, return_state=True)
+                       initial_state=S0, return_state=True, cu_seqlens=cu_seqlens)
         if self.rule == "retention":
             log_gamma = retnet_log_gammas(self.n_v_heads, dtype=q.dtype, device=q.device)
             log_gamma = log_gamma.repeat_interleave(self.group_size)     # (H,) per head the op runs
@@ -358,14 +369,14 @@ class LinearMixer(GroupedHeads, nn.Module):
 
     # ---- shapes, checks, sizes ---------------------------------------------------------
 
-    def _check_state(self, state, x: Tensor) -> None:
-        """Checked at every use (not only when the state was built: its attributes may have been replaced)."""
+    def _check_state(self, state, x: Tensor, B: int) -> None:
+        """Checked at every use (not only when the state was built: its attributes may have been replaced);
+        ``B``: the sequences (of a packed batch, ``N``)."""
         if state is None:
             return
         if not isinstance(state, MixerState):
             raise TypeError(f"state must be a MixerState (or None) for LinearMixer, got {type(state).__name__}")
         state.validate()
-        B = x.shape[0]
         expected = (B, self.n_v_heads, self.head_dim, self.v_head_dim)
         if tuple(state.S.shape) != expected:
             heads = "n_v_heads" if self.n_v_heads > self.n_heads else "n_kv_heads"

@@ -51,7 +51,7 @@ class ShortConvolution(nn.Module):
         return f"channels={self.channels}, kernel_size={self.kernel_size}"
 
     def forward(self, u: Tensor, attention_mask: Optional[Tensor] = None,
-                state: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                state: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """Convolve ``u`` causally, continuing from ``state``.
 
         Parameters
@@ -62,15 +62,22 @@ class ShortConvolution(nn.Module):
             ``(B, T)`` bool, True for real tokens (already checked by the caller).
         state : Tensor, optional
             ``(B, C, K − 1)``: the inputs before ``u`` (oldest first); zeros if None.
+            ``(N, C, K − 1)`` with ``cu_seqlens``: one per sequence.
+        cu_seqlens : Tensor, optional
+            A packed batch (``B = 1``): the ``N + 1`` offsets of its sequences along ``T``,
+            int32 or int64, already checked by the caller (not with ``attention_mask``). Each
+            sequence is convolved alone: the convolution restarts at every boundary.
 
         Returns
         -------
         y : Tensor
             ``(B, T, C)``, dtype of ``u`` (meaningless at padded positions).
         state : Tensor
-            ``(B, C, K − 1)``, the last ``K − 1`` real inputs (with the old state before them
-            when there are fewer), dtype of ``u``, new memory.
+            ``(B, C, K − 1)`` (``(N, C, K − 1)`` with ``cu_seqlens``), the last ``K − 1`` real
+            inputs (with the old state before them when there are fewer), dtype of ``u``, new memory.
         """
+        if cu_seqlens is not None:
+            return self._packed(u, cu_seqlens, state)
         B, T, C = u.shape
         K = self.kernel_size
         prefix = u.new_zeros(B, C, K - 1) if state is None else state.to(u.dtype)
@@ -87,6 +94,27 @@ class ShortConvolution(nn.Module):
         n_real = attention_mask.sum(dim=1)                                # (B,)
         last = n_real[:, None] + torch.arange(K - 1, device=u.device)     # (B, K − 1): ext columns
         return y.transpose(1, 2), ext.gather(2, last[:, None, :].expand(B, C, K - 1))
+
+    def _packed(self, u: Tensor, cu_seqlens: Tensor, state: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """The packed batch ``u`` (1, T, C) as ``N`` sequences, each after its own ``K − 1`` inputs of ``state``."""
+        _, T, C = u.shape
+        K, device = self.kernel_size, u.device
+        offsets = cu_seqlens.to(device=device, dtype=torch.long)          # (N + 1,)
+        N = offsets.shape[0] - 1
+        seq = torch.arange(N, device=device)
+        owner = torch.repeat_interleave(seq, offsets[1:] - offsets[:-1], output_size=T)   # (T,) sequence of a token
+        prefix = u.new_zeros(N, C, K - 1) if state is None else state.to(u.dtype)
+        # One row with every sequence after its prefix: sequence i fills the columns
+        # [offsets[i] + i(K − 1), offsets[i + 1] + (i + 1)(K − 1)), its K − 1 prefix columns first.
+        lag = torch.arange(K - 1, device=device)
+        prefix_cols = (offsets[:-1] + seq * (K - 1))[:, None] + lag       # (N, K − 1)
+        token_cols = torch.arange(T, device=device) + (owner + 1) * (K - 1)   # (T,)
+        source = torch.cat([prefix.transpose(0, 1).reshape(C, N * (K - 1)), u[0].transpose(0, 1)], dim=1)
+        ext = source[:, torch.cat([prefix_cols.reshape(-1), token_cols]).argsort()]   # (C, T + N(K − 1))
+        y = _depthwise(ext[None], self.weight.to(u.dtype))[0]            # (C, T + (N − 1)(K − 1))
+        y = y[:, token_cols - (K - 1)]                                    # (C, T): the window ending at each token
+        last = (offsets[1:] + seq * (K - 1))[:, None] + lag               # (N, K − 1): each sequence's last columns
+        return y.t()[None], ext[:, last].transpose(0, 1).contiguous()     # (1, T, C), (N, C, K − 1)
 
 
 def _depthwise(ext: Tensor, weight: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import _checks
 from .._checks import shape_str
 from ..state import KVCache
-from .positions import ROPE_BASE, apply_rope
+from .positions import ROPE_BASE, apply_rope, packed_positions
 from .projections import MultiHeadProjections
 
 __all__ = ["SoftmaxAttention"]
@@ -59,7 +59,8 @@ class SoftmaxAttention(MultiHeadProjections):
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[KVCache] = None, return_state: bool = False,
-                positions: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, KVCache]]:
+                positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+                ) -> Union[Tensor, tuple[Tensor, KVCache]]:
         """Attend over the cached tokens and ``x``.
 
         Parameters
@@ -78,6 +79,9 @@ class SoftmaxAttention(MultiHeadProjections):
             ``(B, T)`` int64 ``>= 0``, the position of each token of ``x``; only with
             ``rope=True``, where it defaults to counting real tokens from 0, after the real
             tokens of the cache.
+        cu_seqlens : Tensor, optional
+            A packed batch, as in :meth:`linattn.LinearAttention.forward`: each token attends
+            to the earlier tokens of its own sequence only.
 
         Returns
         -------
@@ -98,11 +102,13 @@ class SoftmaxAttention(MultiHeadProjections):
             ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
             a cache whose shapes do not match the layer or each other, or whose ``k``, ``v``
             or mask is not on the device of ``x`` (the message names which); ``positions``
-            without ``rope=True``, of the wrong shape or negative.
+            without ``rope=True``, of the wrong shape or negative; ``cu_seqlens`` as in
+            :meth:`linattn.LinearAttention.forward`.
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
+        self._check_packing(cu_seqlens, x, attention_mask, state, return_state)
         self._check_state(state, x)
-        positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
+        positions = self._positions(positions, x, attention_mask, state, cu_seqlens)  # (B, T) or None
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
         self._check_state(state, x, k.dtype)
@@ -121,7 +127,14 @@ class SoftmaxAttention(MultiHeadProjections):
         bad_v = ~torch.isfinite(v)                                        # (B, H_kv, P + T, D)
         k_sdpa, v_sdpa = self._repeat_kv(k.masked_fill(bad_k, 0.0)), self._repeat_kv(v.masked_fill(bad_v, 0.0))
         bad = (bad_k | bad_v).float()                                     # (B, H_kv, P + T, D)
-        if state is None and attention_mask is None:                    # plain (causal) attention
+        if cu_seqlens is not None:                                       # each token sees its own sequence
+            owner = packed_positions(cu_seqlens, T).to(x.device)[0]      # (T,) index within the sequence
+            t = torch.arange(T, device=x.device)
+            start = t - owner                                             # (T,) first token of its sequence
+            allowed = ((t[None, :] <= t[:, None]) & (t[None, :] >= start[:, None]))[None, None]   # (1, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, attn_mask=allowed)
+            seen = allowed.float() @ bad                                  # (1, H_kv, T, D)
+        elif state is None and attention_mask is None:                  # plain (causal) attention
             y = F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, is_causal=self.causal)
             seen = bad.cumsum(dim=2) if self.causal else bad.sum(dim=2, keepdim=True)
         else:
