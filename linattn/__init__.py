@@ -12,6 +12,7 @@ from .distributed import ring_softmax_attention, sequence_parallel_linear_attent
 from .layers import LinearAttention, LinearMixer, LinearMultiheadAttention, ShortConvolution, SoftmaxAttention, apply_rope
 from .models import TransformerBlock, TransformerConfig, TransformerLM
 from .book import book_figure, default_device, finish_figure, set_seed, use_book_style
+from . import interop
 from . import kernels as _kernels  # noqa: F401 (marks forked children for the CPU kernels)
 from . import backends as _backends
 
@@ -63,4 +64,5 @@ __all__ = [
     "TransformerLM",
     "KVCache",
     "DecodingState",
+    "interop",
 ]

@@ -2,7 +2,7 @@
 
 The tests mirror the package (``tests/ops`` for ``linattn/ops``, ...). Markers (registered in
 pyproject.toml) select what needs more than the CPU and the README's install: ``gpu``, ``triton``,
-``browser``, ``book`` (the book's files, notebooks, site and Colab cell) and ``slow`` (processes,
+``transformers``, ``browser``, ``book`` (the book's files, notebooks, site and Colab cell) and ``slow`` (processes,
 compilation, notebooks); ``.ci/run`` selects by them.
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ _FILE_MARKS = {
     "test_tiny_example.py": ("book",),
     "test_triton.py": ("triton",),
     "test_gpu.py": ("gpu",),
+    "test_interop.py": ("transformers",),
     "test_sequence_parallel.py": ("slow",),
     "test_sequence_parallel_rules.py": ("slow",),
     "test_sequence_parallel_layers.py": ("slow",),

@@ -102,3 +102,23 @@ def test_plot_helpers_without_matplotlib_name_the_extra(no_matplotlib, call):
 def test_the_plot_extra_installs_matplotlib():
     # The extra the message above names.
     assert "matplotlib" in _names(_project()["optional-dependencies"]["plot"])
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def test_interop_imports_without_transformers(tmp_path):
+    """transformers is optional: ``import linattn`` reaches ``linattn.interop`` without it, silently,
+    and the interop tests skip naming the install."""
+    code = ("import linattn\nassert linattn.interop.from_transformers\n"
+            "import sys\nassert 'transformers' not in sys.modules")
+    assert _python_stderr(code, without=("transformers",), tmp_path=tmp_path) == ""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    blocker = f"import sys\n{inspect.getsource(_Unimportable)}\nsys.meta_path.insert(0, _Unimportable('transformers'))\n"
+    run = (blocker + "import pytest\nsys.exit(pytest.main(['-q', '-p', 'no:nbval', '-o', 'addopts=', '-rs', "
+           f"{str(ROOT / 'tests' / 'test_interop.py')!r}]))")
+    result = subprocess.run([sys.executable, "-c", run], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "pip install transformers" in result.stdout and " passed" in result.stdout and "skipped" in result.stdout

@@ -173,8 +173,6 @@ def unavailable(method: str, device: torch.device, chunk_size: int, dtype: torch
     if method == "chunk_cpu":
         if device.type != "cpu":
             return "the compiled CPU kernel runs on the CPU only"
-        if dtype not in (torch.float32, torch.float64):
-            return f"the compiled CPU kernel takes float32 or float64, not {str(dtype).removeprefix('torch.')}"
         from ..kernels import cpu
 
         if not cpu.cpu_kernel_available():

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
         help=f"methods to run, out of: {', '.join(METHODS)} (default: all but compiled_baseline)")
     add("--reference", choices=METHODS, default=None,
-        help="the method the ratio columns divide by (default: chunk)")
+        help="the method the ratio columns divide by (default: chunk); it is timed too, added to --methods "
+             "if they leave it out")
     add("--chunk-size", type=_positive_int, nargs="+", default=[DEFAULT_CHUNK_SIZE], metavar="C",
         help=f"chunk size C of the chunkwise methods (default: {DEFAULT_CHUNK_SIZE}); with --decay, several are "
              "timed in the same rounds and compared with the first")
@@ -106,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
              "B=--batch, H=--heads (default 8), D=--head-dim, --dtype, no grad, on the CPU; pin --threads 1")
     add("--variants", nargs="+", choices=DECAY_VARIANTS, default=None, metavar="VARIANT",
         help=f"with --decay: the variants to run, out of {', '.join(DECAY_VARIANTS)} (default: all)")
+    add("--no-peers", action="store_true",
+        help="with --decay: do not time transformers' torch_chunk_gated_delta_rule beside the gated delta rule "
+             "(timed by default when transformers is importable)")
     add("--no-recurrent", action="store_true",
         help="with --decay: time the chunk forms only, not the per-token loops (which take most of a run)")
     add("--gate-temperature", type=_gate_temperature, default=None, metavar="TAU",
@@ -131,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 parser.error(f"{flag} does not apply to --decay")
     else:
         for flag, value in (("--variants", args.variants), ("--gate-temperature", args.gate_temperature),
-                            ("--no-recurrent", args.no_recurrent or None)):
+                            ("--no-recurrent", args.no_recurrent or None), ("--no-peers", args.no_peers or None)):
             if value is not None:
                 parser.error(f"{flag} applies to --decay only")
         if len(args.chunk_size) > 1:
@@ -173,13 +177,15 @@ def _write_json(path: str, metadata: dict, results: list[dict]) -> None:
 
 def _main_attention(args: argparse.Namespace, device: torch.device, argv: Optional[Sequence[str]]) -> int:
     """``python -m linattn.bench``: the table of :func:`run_benchmark` (and JSON, PNG)."""
-    methods = list(DEFAULT_METHODS) if args.methods is None else args.methods
+    reference = args.reference or "chunk"
+    methods = list(DEFAULT_METHODS) if args.methods is None else list(args.methods)
+    if reference not in methods:                         # the ratio columns divide by its times
+        methods.append(reference)
     seq_lens = list(DEFAULT_SEQ_LENS) if args.seq_lens is None else args.seq_lens
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads or 4, head_dim=args.head_dim,
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward,
                     max_memory_gb=args.max_memory_gb, chunk_size=args.chunk_size[0], seed=args.seed)
     results = run_benchmark(methods, seq_lens, **settings, progress=not args.no_progress)
-    reference = args.reference or "chunk"
     print(format_table(results, reference=reference))
     if args.json is not None:
         metadata = machine_info(device)
@@ -217,11 +223,14 @@ def _main_decay(args: argparse.Namespace, device: torch.device, argv: Optional[S
     settings = dict(device=device, dtype=args.dtype, batch=args.batch, heads=args.heads or 4, head_dim=args.head_dim,
                     chunk_size=(lambda sizes: sizes[0] if len(sizes) == 1 else sizes)(list(dict.fromkeys(args.chunk_size))),
                     repeats=args.repeats, warmup=args.warmup, backward=not args.no_backward, seed=args.seed,
-                    recurrent=not args.no_recurrent,
+                    recurrent=not args.no_recurrent, peers=not args.no_peers,
                     gate_temperature=(DEFAULT_GATE_TEMPERATURE if args.gate_temperature is None
                                       else args.gate_temperature))
     results = run_decay_benchmark(seq_lens, variants=variants, **settings, progress=not args.no_progress)
     print(format_decay_table(results))
+    if settings["peers"] and "gated_delta" in variants and not any(r.get("peer") for r in results):
+        print("(no peer: transformers is not importable here; pip install transformers to time its "
+              "torch_chunk_gated_delta_rule beside the gated delta rule)")
     if args.json is not None:
         metadata = machine_info(device)
         metadata.update({name: (str(value) if name == "device" else value) for name, value in settings.items()},

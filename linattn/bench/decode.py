@@ -35,8 +35,11 @@ def bare_mixer_step(m: LinearMixer, x: Tensor, S: Tensor, conv: Tensor) -> tuple
     B, H, D = x.shape[0], m.n_heads, m.head_dim
     qkv = torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1)                  # (B, 1, C)
     ext = torch.cat([conv, qkv.transpose(1, 2)], dim=2)                              # (B, C, K)
-    qkv = F.silu(F.conv1d(ext, m.conv.weight, groups=ext.shape[1]).transpose(1, 2))  # (B, 1, C)
-    q, k, v = (t.view(B, H, D) for t in qkv[:, 0].split(H * D, dim=-1))
+    w = m.conv.weight[:, 0]                                                          # (C, K)
+    u = ext[:, :, 0] * w[:, 0]                                                       # the depthwise conv of
+    for j in range(1, w.shape[1]):                                                   # one token: K multiply-adds
+        u = u + ext[:, :, j] * w[:, j]
+    q, k, v = (t.view(B, H, D) for t in F.silu(u).split(H * D, dim=-1))              # (B, H, D) each
     q = F.normalize(q, dim=-1, eps=1e-6) * D ** -0.5
     k = F.normalize(k, dim=-1, eps=1e-6)
     alpha = torch.exp(-m.A_log.exp() * F.softplus(m.a_proj(x)[:, 0] + m.dt_bias))     # (B, H)

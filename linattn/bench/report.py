@@ -125,6 +125,9 @@ def format_table(results: Sequence[dict], reference: Optional[str] = "chunk") ->
         out += ["", *notes]
     if left_out:
         out += ["", "left out (cannot run here): " + "; ".join(f"{m}: {why}" for m, why in left_out.items())]
+    if reference is not None and not has_ref:
+        why = next((f"{r['status']}: {r['note']}" for r in results if r["method"] == reference), "not among the methods")
+        out += ["", f"no ratio columns: the reference {reference} did not run ({why})"]
     return "\n".join(out + ["", *legend])
 
 
@@ -157,16 +160,18 @@ def format_decay_table(results: Sequence[dict]) -> str:
     chunks = sorted({effective_chunk(r) for r in results})
     per_row_chunk = len(chunks) > 1 or len(sizes) > 1     # several T shorter than chunk_size, or sizes
     has_ungated = any(r["variant"] == "ungated" for r in results)
+    peers = {r["peer"] for r in results if r.get("peer")}
     rec_names = ("rec fwd ms", "fwd rec/chunk", "rec f+b ms", "f+b rec/chunk") if loops else ()
     header = ["T", "variant", *(["C"] if per_row_chunk else []), "chunk fwd ms", *rec_names[:2],
               "chunk f+b ms", *rec_names[2:], *(["f+b / ungated"] if has_ungated else []),
-              *([f"f+b / C={sizes[0]}"] if len(sizes) > 1 else [])]
+              *([f"f+b / C={sizes[0]}"] if len(sizes) > 1 else []),
+              *(["fwd peer/linattn", "f+b peer/linattn"] if peers else [])]
     rows = [header]
 
-    def paired(a: Optional[dict], b: Optional[dict]) -> str:
-        if a is None or b is None or not a.get("fwd_bwd_times") or not b.get("fwd_bwd_times"):
+    def paired(a: Optional[dict], b: Optional[dict], key: str = "fwd_bwd_times") -> str:
+        if a is None or b is None or not a.get(key) or not b.get(key):
             return "-"
-        r = paired_ratios(a["fwd_bwd_times"], b["fwd_bwd_times"])
+        r = paired_ratios(a[key], b[key])
         return _ratio_cell(r) if r["median"] is not None else "-"
 
     for T, variant, C in keys:
@@ -188,6 +193,9 @@ def format_decay_table(results: Sequence[dict]) -> str:
         if len(sizes) > 1:
             first = chunk_rows.get((T, variant, sizes[0]))
             row.append(paired(chunk, first) if C != sizes[0] or paired(chunk, first) == "-" else "1")
+        if peers:                        # a peer's time over linattn's on the same inputs, round by round
+            ours = chunk_rows.get((T, "gated_delta", C)) if chunk is not None and chunk.get("peer") else None
+            row += [paired(chunk, ours, "fwd_times"), paired(chunk, ours)] if ours else ["", ""]
         rows.append(row)
     lines = _align(rows)
     if len(sizes) > 1:
@@ -210,6 +218,11 @@ def format_decay_table(results: Sequence[dict]) -> str:
     if len(sizes) > 1:
         legend += (f"; f+b / C={sizes[0]}: chunk f+b time / the same variant's at chunk_size={sizes[0]}, per round, "
                    "median (range)" + ("; the recurrent form has no chunks and is timed once" if loops else ""))
+    if peers:
+        legend += (f"; {', '.join(sorted({r['variant'] for r in results if r.get('peer')}))}: "
+                   f"{'; '.join(sorted(peers))}, on the gated_delta rows' inputs (it scales q by D^-1/2 itself), "
+                   "timed in the same rounds; peer/linattn: its time / gated_delta's at the same C, per round, "
+                   "median (range); above 1: linattn is faster")
     legend += "."
     return "\n".join([title, "", *lines, "", legend])
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..book import default_device
 from .baselines import DEFAULT_CHUNK_SIZE, DEFAULT_METHODS, METHODS, method_fn, unavailable
 from .costs import forward_flops, predict_memory
+from .peers import PEER_VARIANT, gated_delta_peer_call, transformers_gated_delta
 from .timing import cpu_name, interleaved_times, paired_ratios, peak_memory, pinned_threads, summarise
 
 __all__ = ["DTYPES", "DEFAULT_SEQ_LENS", "run_benchmark", "DECAY_VARIANTS", "DEFAULT_DECAY_SEQ_LENS",
@@ -388,6 +389,7 @@ def run_decay_benchmark(
     threads: Optional[int] = None,
     gate_temperature: float = DEFAULT_GATE_TEMPERATURE,
     recurrent: bool = True,
+    peers: bool = True,
 ) -> list[dict]:
     """Time the decay family: chunk and recurrent forms, and the ungated update as the yardstick.
 
@@ -415,6 +417,10 @@ def run_decay_benchmark(
         form for mild decays); 1 gives about −50 (their range-by-range products).
     recurrent : bool
         Also time ``method="recurrent"`` (the per-token loop, most of a run's time at large ``T``).
+    peers : bool
+        With the ``"gated_delta"`` variant, also time transformers' ``torch_chunk_gated_delta_rule``
+        (:func:`linattn.bench.peers.transformers_gated_delta`; variant ``"transformers_gdn"``) on its
+        inputs, in the same rounds, at every chunk size, when transformers is importable.
 
     Returns
     -------
@@ -429,7 +435,8 @@ def run_decay_benchmark(
         ``fwd_minor_faults`` and ``fwd_bwd_minor_faults`` (the minor page faults of each timed
         call, :func:`linattn.bench.timing.interleaved_times`; None on CUDA or without ``resource``),
         ``cpu_kernel`` (True when ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) had the chunk forms run the
-        compiled loops of :mod:`linattn.kernels.cpu` wherever they can, whatever their calibration says).
+        compiled loops of :mod:`linattn.kernels.cpu` wherever they can, whatever their calibration says),
+        ``peer`` (what a peer's row times, None for linattn's).
 
     Raises
     ------
@@ -437,7 +444,7 @@ def run_decay_benchmark(
         Unknown variants or dtypes, non-positive sizes, ``repeats < 1``, ``warmup < 0``, a
         ``gate_temperature`` that is not a finite number of at least ``1e-6`` (a TypeError if it is
         not a real number), CUDA requested but not available, an empty ``chunk_size`` sequence,
-        ``recurrent`` not a bool.
+        ``recurrent`` or ``peers`` not a bool.
     """
     if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, numbers.Real):
         raise TypeError(f"gate_temperature must be a real number, got {type(gate_temperature).__name__}")
@@ -467,19 +474,20 @@ def run_decay_benchmark(
     else:
         raise TypeError(f"chunk_size must be a positive int or a non-empty list or tuple of them, got "
                         f"{type(chunk_size).__name__}")
-    if not isinstance(recurrent, bool):
-        raise TypeError(f"recurrent must be a bool, got {type(recurrent).__name__}")
+    for flag, name in ((recurrent, "recurrent"), (peers, "peers")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     _check_warmup(warmup)
     _check_seed(seed)
     if threads is not None:
         _check_positive_int(threads, "threads")
     with pinned_threads(threads):
         return _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_sizes, repeats, warmup,
-                           backward, seed, progress, float(gate_temperature), recurrent)
+                           backward, seed, progress, float(gate_temperature), recurrent, peers)
 
 
 def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk_sizes, repeats, warmup,
-                backward, seed, progress, gate_temperature, recurrent) -> list[dict]:
+                backward, seed, progress, gate_temperature, recurrent, peers) -> list[dict]:
     """The timing loop of :func:`run_decay_benchmark` (arguments already checked)."""
     from ..attention import linear_attention
     from ..ops import delta, gated_delta, gla, retention
@@ -490,6 +498,7 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
     from ..kernels import cpu
 
     compiled = device.type == "cpu" and cpu.cpu_kernel_enabled() and cpu.cpu_kernel_available()
+    peer = transformers_gated_delta() if peers and "gated_delta" in variants else None
     results = []
     for T in tqdm(seq_lens, disable=not progress, unit="T", desc="linattn.bench --decay", file=sys.stderr):
         cells, fwd, fwd_bwd = [], {}, {}
@@ -506,6 +515,9 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
             for variant, (q, k, v, extra) in inputs.items():
                 calls.append((variant, "chunk", C, (q, k, v), lambda q, k, v, f=functions[variant], e=extra, C=C: f(
                     q, k, v, *e, method="chunk", chunk_size=C)))
+            if peer is not None:                   # the gated delta rule's inputs, through transformers
+                q, k, v, (log_g, beta) = inputs["gated_delta"]
+                calls.append((PEER_VARIANT, "chunk", C, (q, k, v), gated_delta_peer_call(peer[0], log_g, beta, C)))
         for variant, (q, k, v, extra) in inputs.items() if recurrent else ():
             calls.append((variant, "recurrent", chunk_sizes[0], (q, k, v),
                           lambda q, k, v, f=functions[variant], e=extra: f(q, k, v, *e, method="recurrent")))
@@ -520,7 +532,8 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                               threads=torch.get_num_threads(), gate_temperature=gate_temperature,
                               fwd_s=None, fwd_bwd_s=None, fwd_times=[],
                               fwd_bwd_times=[], fwd_spread=None, fwd_bwd_spread=None,
-                              fwd_minor_faults=None, fwd_bwd_minor_faults=None, cpu_kernel=compiled))
+                              fwd_minor_faults=None, fwd_bwd_minor_faults=None, cpu_kernel=compiled,
+                              peer=peer[1] if variant == PEER_VARIANT else None))
         passes = [("fwd", fwd)] + ([("fwd_bwd", fwd_bwd)] if backward else [])
         for name, fns in passes:
             faults: dict = {}

@@ -16,7 +16,8 @@ import torch
 from . import origin
 from .origin import git_commit, provenance, results_path
 
-__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "results_path", "git_commit"]
+__all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "check_out", "results_path",
+           "git_commit"]
 
 STUDIES: dict[str, str] = {}
 """Study name -> module: a module of this package (``"recall"``) or a full dotted path."""
@@ -71,7 +72,8 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
         Indices into the study's grid (all cells if None): for a partial rerun.
     out : path, optional
         The results file; default :func:`results_path` of ``name``. With ``cells`` given and no
-        ``out``, nothing is written (a partial run must not replace the full results).
+        ``out``, nothing is written (a partial run must not replace the full results). Checked
+        before any cell runs.
     progress : callable or None
         Called with one line per finished cell.
 
@@ -88,16 +90,24 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
     Raises
     ------
     ValueError
-        An unknown study, ``workers < 1``, a cell index out of range.
+        An unknown study, ``workers < 1``, ``workers > 1`` for a study whose cells start
+        processes of their own (``SERIAL = True``, e.g. ``sp_exchange``: a pool's worker may not
+        start processes, and its timings would share the cores), a cell index out of range, an
+        ``out`` that is a folder or lies under a file.
     """
     mod = study(name)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    if workers > 1 and getattr(mod, "SERIAL", False):
+        raise ValueError(f"study {name!r} runs its cells one at a time (each starts and times processes of its "
+                         f"own): pass workers=1 (--workers 1), got {workers}")
     grid = mod.grid()
     chosen = list(range(len(grid))) if cells is None else list(cells)
     for i in chosen:
-        if not (0 <= i < len(grid)):
-            raise ValueError(f"cell index {i} is out of range for study {name!r} with {len(grid)} cells")
+        if isinstance(i, bool) or not isinstance(i, int) or not (0 <= i < len(grid)):
+            raise ValueError(f"cell index {i!r} is out of range for study {name!r} with {len(grid)} cells")
+    if out is not None:
+        check_out(out)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     prov = provenance(threads=1)                 # the code as it was when the cells started
     t0 = time.perf_counter()
@@ -136,6 +146,23 @@ def run_study(name: str, *, workers: int = 1, cells: Optional[Sequence[int]] = N
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     return doc
+
+
+def check_out(out) -> pathlib.Path:
+    """``out`` as a path where a results file can be written: not a folder, no file among its parents.
+
+    Raises
+    ------
+    ValueError
+        ``out`` names a folder (or ends with a separator), or one of its parents is a file.
+    """
+    path = pathlib.Path(out)
+    if str(out).endswith(("/", os.sep)) or path.is_dir():
+        raise ValueError(f"out must name a results file, got the folder {str(out)!r}")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"out {str(out)!r} lies under {str(parent)!r}, which is a file")
+    return path
 
 
 def _cell_key(cell: dict) -> str:

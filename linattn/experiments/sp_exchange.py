@@ -6,6 +6,7 @@ import os
 NAME = "sp_exchange"
 DESCRIPTION = "state exchange of sequence-parallel linear attention: all-gather, chain, scan (gloo, CPU)"
 
+SERIAL = True          # each cell starts P ranks and times them: run the cells one at a time
 EXCHANGES = ("allgather", "ring", "scan")
 T_ALONE, T_PASS = 65536, 16384
 

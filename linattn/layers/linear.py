@@ -90,7 +90,8 @@ class LinearAttention(MultiHeadProjections):
     ValueError
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
         ``n_kv_heads``, ``eps`` not a normal positive float32 number, ``rope_base <= 1``, an
-        unknown feature map name.
+        unknown feature map name, ``rope=True`` with a feature map that gives an odd number of
+        features (Taylor's whenever ``head_dim % 4 == 0``).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: Optional[int] = None,
@@ -99,6 +100,13 @@ class LinearAttention(MultiHeadProjections):
                  rope: bool = False, rope_base: float = ROPE_BASE) -> None:
         super().__init__(d_model, n_heads, n_kv_heads, causal, bias, rope, rope_base)
         _set_linear_options(self, feature_map, normalize, eps, chunk_size)
+        M = self._n_features() if self.rope else 0
+        if M % 2:
+            raise ValueError(
+                f"rope=True rotates pairs of features, but feature_map={self.feature_map_name or self.feature_map!r} "
+                f"gives an odd number of features, M={M}, for head_dim={self.head_dim} (Taylor's 1 + D + D(D+1)/2 "
+                "is odd whenever D % 4 == 0): pass rope=False (in TransformerLM, positions='none' or 'learned'), "
+                "or a feature map with an even number of features")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", feature_map={self.feature_map_name or self.feature_map!r}"
@@ -106,7 +114,8 @@ class LinearAttention(MultiHeadProjections):
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[LinearAttentionState] = None, return_state: bool = False,
-                positions: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
+                positions: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+                ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
         """Attend over ``x`` (and the tokens summarised by ``state``).
 
         Parameters
@@ -130,6 +139,12 @@ class LinearAttention(MultiHeadProjections):
             ``(B, T)`` int64 ``>= 0``, the position of each token of ``x``; only with
             ``rope=True``, where it defaults to counting real tokens from 0 (and is required
             with a ``state``, which does not record its length).
+        cu_seqlens : Tensor, optional
+            A packed batch for training (flash-linear-attention's meaning): ``x`` is
+            ``(1, T, d_model)``, ``N`` sequences end to end, ``cu_seqlens`` their ``N + 1``
+            offsets (1-D int32 or int64 from 0 to ``T``); each sequence is attended alone and its
+            positions start at 0. Needs ``causal=True``; not with ``attention_mask``, ``state``,
+            ``return_state=True`` or a position-dependent feature map.
 
         Returns
         -------
@@ -152,10 +167,15 @@ class LinearAttention(MultiHeadProjections):
             a state whose shapes do not match ``(B, H_kv, M, head_dim)`` or that is not on the
             device of ``x``; a state with a position-dependent feature map; ``positions``
             without ``rope=True``, of the wrong shape or negative, or missing with a state and
-            ``rope=True``; an odd number of features ``M`` with ``rope=True``.
+            ``rope=True``; an odd number of features ``M`` with ``rope=True``; ``cu_seqlens``
+            that is not a valid packing of ``x`` or is combined with what it cannot be (above).
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
+        self._check_packing(cu_seqlens, x, attention_mask, state, return_state)
         phi = self.feature_map
+        if cu_seqlens is not None and getattr(phi, "position_dependent", False):
+            raise ValueError(f"cu_seqlens cannot be used with the position-dependent feature_map {type(phi).__name__}: "
+                             "it would give the tokens the positions of the packed row, not of their sequences")
         if state is not None and getattr(phi, "position_dependent", False):
             raise ValueError(
                 f"state cannot be continued with the position-dependent feature_map {type(phi).__name__}: "
@@ -167,12 +187,12 @@ class LinearAttention(MultiHeadProjections):
         phi_q, phi_k = _head_features(phi, q, k)                               # (B, H, T, M), (B, H_kv, T, M)
         v = v.to(phi_k.dtype)                                             # float32 with the features of half x
         self._check_state(state, x, phi_k.shape[-1])
-        positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
+        positions = self._positions(positions, x, attention_mask, state, cu_seqlens)  # (B, T) or None
         state = self._expand_state(state)                                 # per query head: (B, H, M, D)
         phi_k, v = self._repeat_kv(phi_k), self._repeat_kv(v)             # (B, H, T, M), (B, H, T, D)
         if self.rope:
-            y, state = self._rotary(phi_q, phi_k, v, positions, attention_mask, state)
-        elif self.causal and x.shape[1] == 1 and attention_mask is None:  # one new token: the recurrence
+            y, state = self._rotary(phi_q, phi_k, v, positions, attention_mask, state, cu_seqlens)
+        elif self.causal and x.shape[1] == 1 and attention_mask is None and cu_seqlens is None:  # the recurrence
             y, state = linear_attention_step(
                 phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                 feature_map=None, normalize=self.normalize, eps=self.eps)  # (B, H, D)
@@ -181,14 +201,15 @@ class LinearAttention(MultiHeadProjections):
             y = linear_attention(
                 phi_q, phi_k, v, feature_map=None, causal=self.causal, normalize=self.normalize,
                 eps=self.eps, chunk_size=self.chunk_size, attention_mask=attention_mask,
-                initial_state=state, return_state=return_state)           # (B, H, T, D)
+                initial_state=state, return_state=return_state, cu_seqlens=cu_seqlens)   # (B, H, T, D)
             if return_state:
                 y, state = y
         y = self._merge(y.to(x.dtype))                                    # (B, T, d_model)
         return (y, self._shrink_state(state)) if return_state else y
 
     def _rotary(self, phi_q: Tensor, phi_k: Tensor, v: Tensor, positions: Tensor, attention_mask: Optional[Tensor],
-                state: Optional[LinearAttentionState]) -> tuple[Tensor, LinearAttentionState]:
+                state: Optional[LinearAttentionState], cu_seqlens: Optional[Tensor] = None
+                ) -> tuple[Tensor, LinearAttentionState]:
         """RoFormer's eq. 19: the rotated numerator over the plain normaliser; ``(B, H, T, D)`` and the state."""
         M = phi_k.shape[-1]
         if M % 2:
@@ -199,7 +220,7 @@ class LinearAttention(MultiHeadProjections):
         rot_q = apply_rope(phi_q, positions, base=self.rope_base)          # (B, H, T, M)
         rot_k = apply_rope(phi_k, positions, base=self.rope_base)
         options = dict(feature_map=None, causal=self.causal, normalize=False, chunk_size=self.chunk_size,
-                       attention_mask=attention_mask, return_state=True)
+                       attention_mask=attention_mask, return_state=True, cu_seqlens=cu_seqlens)
         num, num_state = linear_attention(
             rot_q, rot_k, v_acc, initial_state=state, **options)          # (B, H, T, D): Σ (R_i φq)ᵀ(R_j φk) v_j
         den_state0 = None if state is None else LinearAttentionState(state.z.unsqueeze(-1), state.z)
@@ -212,14 +233,16 @@ class LinearAttention(MultiHeadProjections):
         """Bytes of the :class:`~linattn.LinearAttentionState` after any number of tokens (``seq_len``
         is not used: the size is fixed), for inputs in the parameters' dtype: ``B·H_kv·M·(head_dim + 1)``
         numbers, ``M`` the number of features of φ."""
-        weight = self.q_proj.weight
+        acc = _checks.accumulation_dtype(self.q_proj.weight.dtype)
+        return (batch * self.n_kv_heads * self._n_features() * (self.head_dim + 1)
+                * torch.empty((), dtype=acc).element_size())
+
+    def _n_features(self) -> int:
+        """``M``, the number of features φ gives for one head of ``head_dim``."""
         if self.feature_map is None:
-            M = self.head_dim
-        else:
-            with torch.no_grad():
-                M = self.feature_map(weight.new_zeros(1, 1, 1, self.head_dim)).shape[-1]
-        acc = _checks.accumulation_dtype(weight.dtype)
-        return batch * self.n_kv_heads * M * (self.head_dim + 1) * torch.empty((), dtype=acc).element_size()
+            return self.head_dim
+        with torch.no_grad():
+            return self.feature_map(self.q_proj.weight.new_zeros(1, 1, 1, self.head_dim)).shape[-1]
 
     def _check_state(self, state, x: Tensor, feature_dim: int) -> None:
         """Checked at every use (not only when the state was built: its attributes may have been replaced)."""

@@ -16,6 +16,7 @@ from ..ops.delta import delta_rule
 from ..ops.gated_delta import gated_delta_rule
 from ..ops.gla import gated_linear_attention
 from ..ops.retention import retention
+from ..ops.varlen import check_cu_seqlens
 from ..state import MixerState
 from .projections import GroupedHeads, check_head_sizes
 from .short_conv import ShortConvolution
@@ -75,35 +76,54 @@ class LinearMixer(GroupedHeads, nn.Module):
 
     Per token ``x_t`` (``(B, T, d_model)`` in, ``(B, T, d_model)`` out)::
 
-        q, k, v = W_q x, W_k x, W_v x                       # n_heads, n_kv_heads, n_kv_heads heads
-        q, k, v = silu(conv(q)), silu(conv(k)), silu(conv(v))        # short_conv
+        q, k, v = W_q x, W_k x, W_v x                       # H, H_k, H_v heads of Dk, Dk, Dv
+        q, k, v = silu(conv(q, k, v))                                 # short_conv, one conv over all three
         q, k = q / ‖q‖, k / ‖k‖                                       # qk_norm (per head)
-        q = q · head_dim^(-1/2)
-        S_t = rule(S_{t-1}; k_t, v_t, α_t, β_t),   o_t = S_tᵀ q_t
-        o_t = RMSNorm(o_t) ⊙ silu(W_g x_t)                            # output_norm, output_gate
+        q = q · Dk^(-1/2)
+        S_t = rule(S_{t-1}; k_t, v_t, α_t, β_t),   o_t = S_tᵀ q_t    # S: (Dk, Dv) per value head
+        o_t = RMSNorm(o_t) ⊙ act(W_g x_t)                             # output_norm, output_gate
         y_t = W_o o_t
+
+    Two groupings of heads: ``n_kv_heads < n_heads`` (grouped-query: query head ``h`` reads
+    key-value head ``h // (H / H_kv)``) or ``n_v_heads > n_heads`` (grouped value heads, Qwen3-Next:
+    value head ``j`` reads query/key head ``j // (H_v / H)``, and ``α``, ``β``, the state, the norm
+    and the gate are per value head). Each value head keeps one state, ``(Dk, Dv)``.
 
     Parameters
     ----------
     d_model, n_heads : int
-        As in :class:`linattn.LinearAttention`.
+        Model width and query heads ``H``.
     rule : str
         One of :data:`RULES`.
     n_kv_heads : int, optional
         Key-value heads ``H_kv`` dividing ``n_heads`` (default ``n_heads``).
+    n_v_heads : int, optional
+        Value heads ``H_v``, a multiple of ``n_heads`` (default ``n_heads``); not with
+        ``n_kv_heads != n_heads``.
+    head_dim : int, optional
+        Query/key head size ``Dk`` (default ``d_model // n_heads``, which must then divide).
+    v_head_dim : int, optional
+        Value head size ``Dv`` (default ``head_dim``).
     short_conv : bool
         Short convolution and SiLU on ``q``, ``k``, ``v`` (default True).
     conv_size : int
         Its kernel size ``K >= 2`` (default 4).
-    qk_norm : bool
-        L2-normalise ``q`` and ``k`` per head (default True). Without it the delta rules can be
-        unstable (``I − β k kᵀ`` may grow the state).
+    qk_norm : bool or str
+        L2-normalise ``q`` and ``k`` per head (default True: ``x / max(‖x‖, 1e-6)``, as
+        ``F.normalize``); ``"fla"``: ``x / sqrt(‖x‖² + 1e-6)``, flash-linear-attention's and
+        transformers' ``l2norm``. Without it the delta rules can be unstable (``I − β k kᵀ`` may
+        grow the state).
     negative_eigenvalues : bool
         ``β ∈ (0, 2)`` instead of ``(0, 1)`` (default False); only for the delta rules.
     output_norm : bool
-        Per-head RMSNorm of ``o`` (learned weight of ``head_dim``, shared by the heads; ε = 1e-5).
-    output_gate : bool
-        Multiply by ``silu(W_g x)``.
+        Per-head RMSNorm of ``o`` (learned weight of ``Dv``, shared by the heads).
+    output_gate : bool or str
+        Multiply by ``act(W_g x)``: True or ``"silu"`` (Gated DeltaNet), ``"sigmoid"`` (Kimi
+        Linear), False for none.
+    gate_rank : int, optional
+        A low-rank gate ``W_g = W_up W_down`` of this rank (Kimi Linear: ``Dk``); default full rank.
+    norm_eps : float
+        The output RMSNorm's ε (default 1e-5; Qwen3-Next's configs use 1e-6).
     chunk_size : int
         Chunk length of the chunkwise forms (a call of one token runs the recurrence).
     bias : bool
@@ -112,72 +132,97 @@ class LinearMixer(GroupedHeads, nn.Module):
     Raises
     ------
     TypeError
-        A size that is not an int, a flag that is not a bool, a ``rule`` that is not a str.
+        A size that is not an int, a flag that is not a bool, a ``rule`` that is not a str, a
+        ``qk_norm`` or ``output_gate`` of another type, a ``norm_eps`` that is not a number.
     ValueError
-        A size < 1, ``conv_size < 2``, ``d_model`` not divisible by ``n_heads``, ``n_heads``
-        not divisible by ``n_kv_heads``, an unknown ``rule``, ``negative_eigenvalues=True``
-        with a rule that has no ``β``.
+        A size < 1, ``conv_size < 2``, ``d_model`` not divisible by ``n_heads`` without
+        ``head_dim``, ``n_heads`` not divisible by ``n_kv_heads``, ``n_v_heads`` not a multiple
+        of ``n_heads`` or given with ``n_kv_heads``, an unknown ``rule``, ``qk_norm`` or
+        ``output_gate`` string, ``negative_eigenvalues=True`` with a rule that has no ``β``,
+        ``gate_rank`` without an output gate, ``norm_eps`` not a normal positive float32 number.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, rule: str = "gated_delta", n_kv_heads: Optional[int] = None,
-                 short_conv: bool = True, conv_size: int = 4, qk_norm: bool = True,
-                 negative_eigenvalues: bool = False, output_norm: bool = True, output_gate: bool = True,
-                 chunk_size: int = 64, bias: bool = False) -> None:
+                 n_v_heads: Optional[int] = None, head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
+                 short_conv: bool = True, conv_size: int = 4, qk_norm: Union[bool, str] = True,
+                 negative_eigenvalues: bool = False, output_norm: bool = True, output_gate: Union[bool, str] = True,
+                 gate_rank: Optional[int] = None, norm_eps: float = NORM_EPS, chunk_size: int = 64,
+                 bias: bool = False) -> None:
         super().__init__()
-        d_model, n_heads, n_kv_heads = check_head_sizes(d_model, n_heads, n_kv_heads)
+        d_model, n_heads, n_kv_heads, n_v_heads, Dk, Dv = _mixer_heads(d_model, n_heads, n_kv_heads, n_v_heads,
+                                                                       head_dim, v_head_dim)
         if not isinstance(rule, str):
             raise TypeError(f"rule must be a str, one of {RULES}, got {_checks.type_name(rule)}")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r} (chapter 8's normalised φ layer is "
                              "LinearAttention)")
         flags = {name: _checks.check_bool(value, name) for name, value in (
-            ("short_conv", short_conv), ("qk_norm", qk_norm), ("negative_eigenvalues", negative_eigenvalues),
-            ("output_norm", output_norm), ("output_gate", output_gate), ("bias", bias))}
+            ("short_conv", short_conv), ("negative_eigenvalues", negative_eigenvalues),
+            ("output_norm", output_norm), ("bias", bias))}
+        self.qk_norm = _choice(qk_norm, "qk_norm", {True: True, False: False, "fla": "fla"})
+        self.gate_activation = _choice(output_gate, "output_gate",
+                                       {True: "silu", False: None, "silu": "silu", "sigmoid": "sigmoid"})
         conv_size = _checks.check_positive_int(conv_size, "conv_size")
         if conv_size < 2:
             raise ValueError(f"conv_size must be >= 2 (a kernel of 1 mixes no tokens), got {conv_size}")
         if flags["negative_eigenvalues"] and rule not in DELTA_RULES:
             raise ValueError(f"negative_eigenvalues=True sets β in (0, 2), but rule={rule!r} has no β; it applies "
                              f"to the delta rules {DELTA_RULES}")
-        self.d_model, self.n_heads, self.n_kv_heads, self.rule = d_model, n_heads, n_kv_heads, rule
-        self.head_dim = D = d_model // n_heads
-        self.group_size = n_heads // n_kv_heads
+        if gate_rank is not None:
+            gate_rank = _checks.check_positive_int(gate_rank, "gate_rank")
+            if self.gate_activation is None:
+                raise ValueError(f"gate_rank={gate_rank} sizes the output gate, but output_gate=False")
+        self.norm_eps = _checks.check_positive_float(norm_eps, "norm_eps", torch.float32)
+        self.d_model, self.n_heads, self.n_kv_heads, self.n_v_heads, self.rule = (d_model, n_heads, n_kv_heads,
+                                                                                n_v_heads, rule)
+        self.head_dim, self.v_head_dim, self.gate_rank = Dk, Dv, gate_rank
+        self.group_size = n_heads // n_kv_heads                  # query heads per key-value head
+        self.n_out_heads = max(n_heads, n_v_heads)               # heads of o: one per query or value head
         self.chunk_size = _checks.check_chunk_size(chunk_size)
-        self.qk_norm, self.negative_eigenvalues = flags["qk_norm"], flags["negative_eigenvalues"]
+        self.negative_eigenvalues = flags["negative_eigenvalues"]
         self.conv_size = conv_size
-        kv = n_kv_heads * D
-        self.q_proj = nn.Linear(d_model, n_heads * D, bias=flags["bias"])
-        self.k_proj = nn.Linear(d_model, kv, bias=flags["bias"])
-        self.v_proj = nn.Linear(d_model, kv, bias=flags["bias"])
-        self.conv = ShortConvolution(n_heads * D + 2 * kv, conv_size) if flags["short_conv"] else None
+        Hk = n_kv_heads if n_v_heads <= n_heads else n_heads     # key heads
+        self.q_proj = nn.Linear(d_model, n_heads * Dk, bias=flags["bias"])
+        self.k_proj = nn.Linear(d_model, Hk * Dk, bias=flags["bias"])
+        self.v_proj = nn.Linear(d_model, n_v_heads * Dv, bias=flags["bias"])
+        channels = (n_heads + Hk) * Dk + n_v_heads * Dv
+        self.conv = ShortConvolution(channels, conv_size) if flags["short_conv"] else None
         self.a_proj = self.b_proj = self.A_log = self.dt_bias = None     # the rule's gates, below
+        Hv, per_channel = n_v_heads, n_v_heads * Dk
         if rule in DELTA_RULES:
-            self.b_proj = nn.Linear(d_model, n_kv_heads, bias=False)             # β per key-value head
+            self.b_proj = nn.Linear(d_model, Hv, bias=False)                     # β per value head
         if rule == "gla":
             self.a_proj = nn.Sequential(nn.Linear(d_model, GLA_GATE_RANK, bias=False),
-                                        nn.Linear(GLA_GATE_RANK, kv, bias=True))
+                                        nn.Linear(GLA_GATE_RANK, per_channel, bias=True))
         elif rule == "gated_delta":
-            self.a_proj = nn.Linear(d_model, n_kv_heads, bias=False)
-            self.A_log = nn.Parameter(_mamba2_a_log(n_kv_heads))
-            self.dt_bias = nn.Parameter(_mamba2_dt_bias(n_kv_heads))
+            self.a_proj = nn.Linear(d_model, Hv, bias=False)
+            self.A_log = nn.Parameter(_mamba2_a_log(Hv))
+            self.dt_bias = nn.Parameter(_mamba2_dt_bias(Hv))
         elif rule == "kda":
-            self.a_proj = nn.Sequential(nn.Linear(d_model, D, bias=False), nn.Linear(D, kv, bias=False))
-            self.A_log = nn.Parameter(_mamba2_a_log(n_kv_heads))
-            self.dt_bias = nn.Parameter(_mamba2_dt_bias(kv))
-        self.o_norm = nn.Parameter(torch.ones(D)) if flags["output_norm"] else None
-        self.g_proj = nn.Linear(d_model, n_heads * D, bias=flags["bias"]) if flags["output_gate"] else None
-        self.out_proj = nn.Linear(n_heads * D, d_model, bias=flags["bias"])
+            self.a_proj = nn.Sequential(nn.Linear(d_model, Dk, bias=False), nn.Linear(Dk, per_channel, bias=False))
+            self.A_log = nn.Parameter(_mamba2_a_log(Hv))
+            self.dt_bias = nn.Parameter(_mamba2_dt_bias(per_channel))
+        self.o_norm = nn.Parameter(torch.ones(Dv)) if flags["output_norm"] else None
+        width = self.n_out_heads * Dv
+        self.g_proj = None
+        if self.gate_activation is not None:
+            self.g_proj = (nn.Linear(d_model, width, bias=flags["bias"]) if gate_rank is None else
+                           nn.Sequential(nn.Linear(d_model, gate_rank, bias=False),
+                                         nn.Linear(gate_rank, width, bias=flags["bias"])))
+        self.out_proj = nn.Linear(width, d_model, bias=flags["bias"])
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, rule={self.rule!r}, qk_norm={self.qk_norm}, "
-                f"negative_eigenvalues={self.negative_eigenvalues}")
+        heads = (f"n_v_heads={self.n_v_heads}, " if self.n_v_heads > self.n_heads else "")
+        sizes = f"head_dim={self.head_dim}" + (f", v_head_dim={self.v_head_dim}" if self.v_head_dim != self.head_dim
+                                               else "")
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, {heads}{sizes}, "
+                f"rule={self.rule!r}, qk_norm={self.qk_norm!r}, negative_eigenvalues={self.negative_eigenvalues}")
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[MixerState] = None, return_state: bool = False,
-                conv_history: Optional[Tensor] = None, rule_ops: Optional[Mapping[str, Callable]] = None
-                ) -> Union[Tensor, tuple[Tensor, MixerState]]:
+                conv_history: Optional[Tensor] = None, rule_ops: Optional[Mapping[str, Callable]] = None,
+                cu_seqlens: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, MixerState]]:
         """Mix the tokens of ``x`` (after the tokens summarised by ``state``).
 
         Parameters
@@ -187,10 +232,10 @@ class LinearMixer(GroupedHeads, nn.Module):
             Padded tokens are removed: the real tokens' outputs and the returned state are
             those of the sequence without them (their own outputs are meaningless).
         state : MixerState, optional
-            The state after earlier tokens, as returned by this layer: ``S`` ``(B, n_kv_heads,
-            head_dim, head_dim)`` and ``conv`` ``(B, C, conv_size − 1)`` (None without short
-            convolution), in float32 (float64 for float64 ``x``), on the device of ``x``;
-            checked at every call.
+            The state after earlier tokens, as returned by this layer: ``S`` ``(B, H_v, Dk, Dv)``
+            (``H_v`` = ``n_kv_heads`` with grouped queries) and ``conv`` ``(B, C, conv_size − 1)``
+            (None without short convolution), in float32 (float64 for float64 ``x``), on the
+            device of ``x``; checked at every call.
         return_state : bool
             Also return the state after the last real token of ``x``.
         conv_history, rule_ops
@@ -199,6 +244,13 @@ class LinearMixer(GroupedHeads, nn.Module):
             :meth:`conv_inputs`), in place of ``state.conv``; ``rule_ops``, functions called in
             place of :mod:`linattn.ops`' ``retention``, ``gated_linear_attention``, ``delta_rule``
             and ``gated_delta_rule`` (keyed by those names, with their arguments).
+        cu_seqlens : Tensor, optional
+            A packed batch (flash-linear-attention's meaning): ``x`` is ``(1, T, d_model)``, ``N``
+            sequences end to end, ``cu_seqlens`` their ``N + 1`` offsets (1-D int32 or int64,
+            from 0 to ``T``, empty sequences allowed); not with ``attention_mask``. Each
+            sequence is mixed alone (the short convolution restarts at its first token), and
+            ``state`` and the returned state hold one sequence each (leading ``N`` in place of
+            ``B``; an empty sequence returns its initial state).
 
         Returns
         -------
@@ -220,91 +272,114 @@ class LinearMixer(GroupedHeads, nn.Module):
             mask that is not ``(B, T)``; a state whose shapes do not match the layer (or with
             ``conv`` None where the layer has a short convolution, or the reverse), or not on
             the device of ``x``; a NaN in ``x`` that reaches ``α`` or ``β`` (the functions of
-            :mod:`linattn.ops` refuse a NaN gate; RuntimeError under ``torch.compile``).
+            :mod:`linattn.ops` refuse a NaN gate; RuntimeError under ``torch.compile``);
+            ``cu_seqlens`` with ``B != 1`` or with ``attention_mask``, not 1-D, or not offsets
+            from 0 to ``T`` that never decrease (TypeError if not an int32/int64 tensor).
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
-        self._check_state(state, x)
+        packing = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], attention_mask)
+        self._check_state(state, x, x.shape[0] if packing is None else packing.N)
         B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        Dk, Dv = self.head_dim, self.v_head_dim
         acc = _checks.accumulation_dtype(x.dtype)
-        qkv = self.conv_inputs(x)                                         # (B, T, (H + 2 H_kv)·D)
-        raw_a = self.a_proj(x) if self.a_proj is not None else None      # (B, T, H_kv or H_kv·D)
-        raw_b = self.b_proj(x) if self.b_proj is not None else None      # (B, T, H_kv)
-        raw_g = self.g_proj(x) if self.g_proj is not None else None      # (B, T, H·D)
+        qkv = self.conv_inputs(x)                                         # (B, T, C), matmuls under autocast if on
+        raw_a = self.a_proj(x) if self.a_proj is not None else None      # (B, T, H_v or H_v·Dk)
+        raw_b = self.b_proj(x) if self.b_proj is not None else None      # (B, T, H_v)
+        raw_g = self.g_proj(x) if self.g_proj is not None else None      # (B, T, H_o·Dv)
         with no_autocast(x.device):                                       # our own arithmetic: acc dtype
             conv_state = None
             if self.conv is not None:
                 history = conv_history if conv_history is not None else None if state is None else state.conv
-                qkv, conv_state = self.conv(qkv, attention_mask, history)
+                qkv, conv_state = self.conv(qkv, attention_mask, history, cu_seqlens)
                 qkv = F.silu(qkv)
-            q, k, v = (self._heads(t) for t in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+            q, k, v = qkv.split([p.out_features for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+            q, k, v = _split_heads(q, Dk), _split_heads(k, Dk), _split_heads(v, Dv)   # (B, ·, T, Dk or Dv)
             if self.qk_norm:
-                q, k = F.normalize(q, dim=-1, eps=L2_EPS), F.normalize(k, dim=-1, eps=L2_EPS)
-            q = q * D ** -0.5                                             # (B, H, T, D)
-            log_g, beta = self._gates(raw_a, raw_b, acc, B, T)            # (B, H_kv, T[, D]), (B, H_kv, T)
+                q, k = self._l2_normalize(q), self._l2_normalize(k)
+            q = q * Dk ** -0.5
+            log_g, beta = self._gates(raw_a, raw_b, acc)                  # (B, H_v, T[, Dk]), (B, H_v, T)
             if attention_mask is not None:                               # padded tokens change nothing
                 real = attention_mask[:, None, :]                        # (B, 1, T)
                 k, v = k.masked_fill(~real[..., None], 0.0), v.masked_fill(~real[..., None], 0.0)
                 beta = None if beta is None else beta.masked_fill(~real, 0.0)
                 if log_g is not None:
                     log_g = log_g.masked_fill(~(real if log_g.dim() == 3 else real[..., None]), 0.0)
-            S0 = None if state is None else self._repeat_kv(state.S.to(acc))   # (B, H, D, D)
-            o, S = self._apply_rule(q, self._repeat_kv(k), self._repeat_kv(v), self._repeat_kv(log_g), self._repeat_kv(beta),
-                                    S0, attention_mask, {**_OPS, **(rule_ops or {})})   # (B, H, T, D), (B, H, D, D)
+            S0 = None if state is None else state.S.to(acc)               # (B, H_v, Dk, Dv)
+            o, S = self._apply_rule(q, k, v, log_g, beta, S0, attention_mask, cu_seqlens,
+                                    {**_OPS, **(rule_ops or {})})   # (B, H_o, T, Dv), (B or N, H_v, Dk, Dv)
             if self.o_norm is not None:
-                o = o * torch.rsqrt(o.pow(2).mean(dim=-1, keepdim=True) + NORM_EPS) * self.o_norm.to(acc)
+                o = o * torch.rsqrt(o.pow(2).mean(dim=-1, keepdim=True) + self.norm_eps) * self.o_norm.to(acc)
             if raw_g is not None:
-                o = o * F.silu(self._heads(raw_g.to(acc)))
-            o = o.transpose(1, 2).reshape(B, T, H * D).to(x.dtype)        # (B, T, H·D)
+                gate = _split_heads(raw_g.to(acc), Dv)                    # (B, H_o, T, Dv)
+                o = o * (F.silu(gate) if self.gate_activation == "silu" else torch.sigmoid(gate))
+            o = o.transpose(1, 2).reshape(B, T, self.n_out_heads * Dv).to(x.dtype)   # (B, T, H_o·Dv)
         y = self.out_proj(o)                                              # (B, T, d_model)
         if not return_state:
             return y
-        S = S if self.group_size == 1 else S[:, ::self.group_size].contiguous()   # one copy per group
         return y, MixerState(S, conv_state)
 
     def conv_inputs(self, x: Tensor) -> Tensor:
         """What the short convolution reads: the ``q``, ``k``, ``v`` projections of ``x`` side by side,
-        ``(B, T, (H + 2 H_kv)·head_dim)`` in float32 (float64 for float64 ``x``)."""
+        ``(B, T, C)`` (``C`` the convolution's channels) in float32 (float64 for float64 ``x``)."""
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]     # matmuls under autocast if on
         with no_autocast(x.device):
             return torch.cat([p.to(_checks.accumulation_dtype(x.dtype)) for p in projected], dim=-1)
 
+    def _l2_normalize(self, t: Tensor) -> Tensor:
+        """``t / max(‖t‖, ε)`` (``qk_norm=True``) or ``t / sqrt(‖t‖² + ε)`` (``"fla"``), per head."""
+        if self.qk_norm == "fla":
+            return t * torch.rsqrt(t.pow(2).sum(dim=-1, keepdim=True) + L2_EPS)
+        return F.normalize(t, dim=-1, eps=L2_EPS)
+
     # ---- the rule ----------------------------------------------------------------------
 
-    def _gates(self, raw_a, raw_b, acc, B: int, T: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """``log α`` ``(B, H_kv, T)`` or ``(B, H_kv, T, D)`` (None for delta and retention) and
-        ``β`` ``(B, H_kv, T)`` (None for retention and GLA), in ``acc``."""
+    def _gates(self, raw_a, raw_b, acc) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """``log α`` ``(B, H_v, T)`` or ``(B, H_v, T, Dk)`` (None for delta and retention) and
+        ``β`` ``(B, H_v, T)`` (None for retention and GLA), in ``acc``."""
         beta = None
         if raw_b is not None:
-            beta = torch.sigmoid(raw_b.to(acc)).transpose(1, 2)          # (B, H_kv, T) in (0, 1)
+            beta = torch.sigmoid(raw_b.to(acc)).transpose(1, 2)          # (B, H_v, T) in (0, 1)
             if self.negative_eigenvalues:
                 beta = 2.0 * beta                                        # (0, 2): Grazzi et al., 2025
         if self.rule == "gla":
-            log_g = F.logsigmoid(self._heads(raw_a.to(acc))) / GLA_GATE_NORMALIZER   # (B, H_kv, T, D)
+            log_g = F.logsigmoid(_split_heads(raw_a.to(acc), self.head_dim)) / GLA_GATE_NORMALIZER  # (B, H_v, T, Dk)
         elif self.rule == "gated_delta":
-            dt = F.softplus(raw_a.to(acc) + self.dt_bias.to(acc))        # (B, T, H_kv)
-            log_g = (-self.A_log.to(acc).exp() * dt).transpose(1, 2)     # (B, H_kv, T)
+            dt = F.softplus(raw_a.to(acc) + self.dt_bias.to(acc))        # (B, T, H_v)
+            log_g = (-self.A_log.to(acc).exp() * dt).transpose(1, 2)     # (B, H_v, T)
         elif self.rule == "kda":
-            dt = F.softplus(raw_a.to(acc) + self.dt_bias.to(acc))        # (B, T, H_kv·D)
-            A = self.A_log.to(acc).exp().repeat_interleave(self.head_dim)  # (H_kv·D,): one A per head
-            log_g = self._heads(-A * dt)                                 # (B, H_kv, T, D)
+            dt = F.softplus(raw_a.to(acc) + self.dt_bias.to(acc))        # (B, T, H_v·Dk)
+            A = self.A_log.to(acc).exp().repeat_interleave(self.head_dim)  # (H_v·Dk,): one A per head
+            log_g = _split_heads(-A * dt, self.head_dim)                 # (B, H_v, T, Dk)
         else:
             return None, beta
         # exp(-1000) is 0 in float32 and float64 alike: an overflow to -inf gives the same α = 0
         return log_g.clamp(min=LOG_G_FLOOR), beta
 
-    def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask, ops) -> tuple[Tensor, Tensor]:
-        """``o = S_tᵀ q_t`` for every token and the last ``S``, through ``ops`` (:mod:`linattn.ops`' by default)."""
+    def _apply_rule(self, q, k, v, log_g, beta, S0, attention_mask, cu_seqlens, ops) -> tuple[Tensor, Tensor]:
+        """``o = S_tᵀ q_t`` for every token ``(B, H_o, T, Dv)`` and the last ``S`` ``(B, H_v, Dk, Dv)``,
+        through ``ops`` (:mod:`linattn.ops`' by default)."""
+        G = self.group_size        # grouped values need nothing here: the ops read q/k head j // r themselves
+        if G > 1:                  # grouped queries: each query head runs its key-value head's recurrence
+            k, v, log_g, beta, S0 = (None if t is None else t.repeat_interleave(G, dim=1)
+                                     for t in (k, v, log_g, beta, S0))
+        o, S = self._run_op(q, k, v, log_g, beta, S0, attention_mask, cu_seqlens, ops)
+        return o, (S if G == 1 else S[:, ::G].contiguous())          # one state per key-value head
+
+    def _run_op(self, q, k, v, log_g, beta, S0, attention_mask, cu_seqlens, ops) -> tuple[Tensor, Tensor]:
         retention, gated_linear_attention, delta_rule, gated_delta_rule = (ops[name] for name in _OPS)
         options = dict(method="recurrent" if q.shape[2] == 1 else "chunk", chunk_size=self.chunk_size,
                        initial_state=S0, return_state=True)
+        if cu_seqlens is not None:                                        # only then: a hook's ops need not know it
+            options["cu_seqlens"] = cu_seqlens
         if self.rule == "retention":
-            log_gamma = self._repeat_heads(retnet_log_gammas(self.n_kv_heads, dtype=q.dtype, device=q.device))
+            log_gamma = retnet_log_gammas(self.n_v_heads, dtype=q.dtype, device=q.device)
+            log_gamma = log_gamma.repeat_interleave(self.group_size)     # (H,) per head the op runs
             if attention_mask is None:
                 return retention(q, k, v, log_gamma.exp(), **options)
             # A fixed γ would still decay the state at a padded token: GLA with log α = 0 there.
             real = attention_mask[:, None, :, None]                       # (B, 1, T, 1)
-            log_g = torch.where(real, log_gamma[:, None, None], 0.0).expand_as(k)   # (B, H, T, D)
+            log_g = torch.where(real, log_gamma[:, None, None], 0.0)      # (B, H_v, T, 1)
+            log_g = log_g.expand(*log_g.shape[:3], k.shape[-1])           # (B, H_v, T, Dk)
             return gated_linear_attention(q, k, v, log_g.contiguous(), **options)
         if self.rule == "gla":
             return gated_linear_attention(q, k, v, log_g, **options)
@@ -314,21 +389,18 @@ class LinearMixer(GroupedHeads, nn.Module):
 
     # ---- shapes, checks, sizes ---------------------------------------------------------
 
-    def _repeat_heads(self, t: Tensor) -> Tensor:
-        """(H_kv,) -> (H,)."""
-        return t if self.group_size == 1 else t.repeat_interleave(self.group_size)
-
-    def _check_state(self, state, x: Tensor) -> None:
-        """Checked at every use (not only when the state was built: its attributes may have been replaced)."""
+    def _check_state(self, state, x: Tensor, B: int) -> None:
+        """Checked at every use (not only when the state was built: its attributes may have been replaced);
+        ``B``: the sequences (of a packed batch, ``N``)."""
         if state is None:
             return
         if not isinstance(state, MixerState):
             raise TypeError(f"state must be a MixerState (or None) for LinearMixer, got {type(state).__name__}")
         state.validate()
-        B, D = x.shape[0], self.head_dim
-        expected = (B, self.n_kv_heads, D, D)
+        expected = (B, self.n_v_heads, self.head_dim, self.v_head_dim)
         if tuple(state.S.shape) != expected:
-            raise ValueError(f"state.S must have shape (batch, n_kv_heads, head_dim, head_dim) = "
+            heads = "n_v_heads" if self.n_v_heads > self.n_heads else "n_kv_heads"
+            raise ValueError(f"state.S must have shape (batch, {heads}, head_dim, v_head_dim) = "
                              f"{shape_str(expected)}, got {shape_str(state.S.shape)}")
         if self.conv is None and state.conv is not None:
             raise ValueError("state.conv must be None: this layer has no short convolution (short_conv=False)")
@@ -351,7 +423,48 @@ class LinearMixer(GroupedHeads, nn.Module):
         """Bytes of the :class:`MixerState` after any number of tokens (``seq_len`` is not used:
         the size is fixed), for ``x`` in the parameters' dtype: ``S`` and the convolution's inputs."""
         acc = _checks.accumulation_dtype(self.q_proj.weight.dtype)
-        numbers = self.n_kv_heads * self.head_dim ** 2
+        numbers = self.n_v_heads * self.head_dim * self.v_head_dim
         if self.conv is not None:
             numbers += self.conv.channels * (self.conv_size - 1)
         return batch * numbers * torch.empty((), dtype=acc).element_size()
+
+
+def _split_heads(t: Tensor, size: int) -> Tensor:
+    """(B, T, n·size) -> (B, n, T, size)."""
+    B, T, _ = t.shape
+    return t.view(B, T, -1, size).transpose(1, 2)
+
+
+def _choice(value, name: str, allowed: dict):
+    """``allowed[value]`` for a bool or str ``value`` that is a key of ``allowed``."""
+    if not isinstance(value, (bool, str)):
+        raise TypeError(f"{name} must be a bool or one of {[k for k in allowed if isinstance(k, str)]}, "
+                        f"got {_checks.type_name(value)}")
+    if value not in allowed:
+        raise ValueError(f"{name} must be True, False or one of {[k for k in allowed if isinstance(k, str)]}, "
+                         f"got {value!r}")
+    return allowed[value]
+
+
+def _mixer_heads(d_model, n_heads, n_kv_heads, n_v_heads, head_dim, v_head_dim) -> tuple[int, ...]:
+    """``d_model, H, H_kv, H_v, Dk, Dv`` as ints that divide as the heads need (defaults filled in)."""
+    d_model = _checks.check_positive_int(d_model, "d_model")
+    n_heads = _checks.check_positive_int(n_heads, "n_heads")
+    if head_dim is None:
+        d_model, n_heads, _ = check_head_sizes(d_model, n_heads, None)
+        head_dim = d_model // n_heads
+    head_dim = _checks.check_positive_int(head_dim, "head_dim")
+    v_head_dim = head_dim if v_head_dim is None else _checks.check_positive_int(v_head_dim, "v_head_dim")
+    kv = n_heads if n_kv_heads is None else _checks.check_positive_int(n_kv_heads, "n_kv_heads")
+    if n_heads % kv:
+        raise ValueError(f"n_heads must be divisible by n_kv_heads, got n_heads={n_heads} and n_kv_heads={kv}")
+    if n_v_heads is None:
+        return d_model, n_heads, kv, kv, head_dim, v_head_dim
+    n_v_heads = _checks.check_positive_int(n_v_heads, "n_v_heads")
+    if kv != n_heads:
+        raise ValueError(f"n_v_heads (grouped value heads) and n_kv_heads (grouped queries) cannot both be set, "
+                         f"got n_kv_heads={kv} and n_v_heads={n_v_heads} with n_heads={n_heads}")
+    if n_v_heads % n_heads:
+        raise ValueError(f"n_v_heads must be a multiple of n_heads (value head j reads query/key head "
+                         f"j // (n_v_heads / n_heads)), got n_heads={n_heads} and n_v_heads={n_v_heads}")
+    return d_model, n_heads, kv, n_v_heads, head_dim, v_head_dim

@@ -32,6 +32,12 @@ class LinearMultiheadAttention(MultiHeadProjections):
     feature_map, normalize, eps, chunk_size
         As in :class:`LinearAttention`.
 
+    Inside ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` (set ``layer.self_attn`` to
+    it) it runs in train and eval mode, with or without grad: ``in_proj_bias`` is None and
+    ``_qkv_same_embed_dim`` False, which is what tells PyTorch's fused inference path (softmax
+    attention on ``nn.MultiheadAttention``'s packed weights) not to run in its place, and the
+    float (0 / −inf) ``src_key_padding_mask`` PyTorch passes on is accepted.
+
     Raises
     ------
     TypeError
@@ -40,6 +46,12 @@ class LinearMultiheadAttention(MultiHeadProjections):
         ``batch_first=False``; a size < 1; ``embed_dim`` not divisible by ``num_heads``;
         ``eps`` not a normal positive float32 number; an unknown feature map name.
     """
+
+    # What nn.TransformerEncoderLayer and nn.TransformerEncoder read before their fused fast path:
+    # no packed input projection, so the fast path (softmax attention) is never taken.
+    in_proj_weight = None
+    in_proj_bias = None
+    _qkv_same_embed_dim = False
 
     def __init__(self, embed_dim: int, num_heads: int, *, batch_first: bool, bias: bool = True,
                  feature_map: Union[str, FeatureMap, None] = "elu+1", normalize: bool = True, eps: float = 1e-6,
@@ -68,7 +80,8 @@ class LinearMultiheadAttention(MultiHeadProjections):
             ``(B, Tk, embed_dim)`` each, same dtype and device.
         key_padding_mask : Tensor, optional
             ``(B, Tk)`` bool, True for **padding** (PyTorch's meaning, the opposite of
-            ``attention_mask`` elsewhere in linattn): padded keys add nothing.
+            ``attention_mask`` elsewhere in linattn): padded keys add nothing. Or the float mask
+            ``nn.TransformerEncoderLayer`` makes of it: ``−inf`` for padding, 0 elsewhere.
         need_weights : bool
             Must be False (the weights are never formed).
         attn_mask : Tensor, optional
@@ -89,12 +102,13 @@ class LinearMultiheadAttention(MultiHeadProjections):
         Raises
         ------
         TypeError
-            Non-floating inputs or inputs not in the parameters' dtype; a non-bool
-            ``key_padding_mask``; a non-bool flag; an ``attn_mask`` that is not a tensor.
+            Non-floating inputs or inputs not in the parameters' dtype; a ``key_padding_mask``
+            neither bool nor floating; a non-bool flag; an ``attn_mask`` that is not a tensor.
         ValueError
             Inputs that are not 3-D ``(B, T, embed_dim)``, empty, of different batch, or
             ``key`` and ``value`` of different lengths; inputs not on the parameters' device;
-            a ``key_padding_mask`` that is not ``(B, Tk)``; ``need_weights=True``; an
+            a ``key_padding_mask`` that is not ``(B, Tk)``, or a float one with values other than
+            0 and ``−inf`` (an additive bias has no linear-attention form); ``need_weights=True``; an
             ``attn_mask`` other than the causal mask; causal attention with ``Tq != Tk``.
         """
         for name, t in (("query", query), ("key", key), ("value", value)):
@@ -121,10 +135,7 @@ class LinearMultiheadAttention(MultiHeadProjections):
                              f"got Tq={Tq} and Tk={Tk}")
         attention_mask = None
         if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
-                raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, PyTorch's meaning); a "
-                                "float (additive) mask has no linear-attention form; got "
-                                f"{describe(key_padding_mask)}")
+            key_padding_mask = _padding_as_bool(key_padding_mask)
             attention_mask = ~_checks.attention_mask_as_bool(key_padding_mask, B, Tk, query.device,
                                                              name="key_padding_mask")  # True = real token
         q, k, v = self._heads(self.q_proj(query)), self._heads(self.k_proj(key)), self._heads(self.v_proj(value))
@@ -140,6 +151,20 @@ class LinearMultiheadAttention(MultiHeadProjections):
     def _check_sequence(self, t, name: str) -> None:
         _checks.check_layer_input(t, name, self.embed_dim, "embed_dim", self.q_proj.weight,
                                   hint=" (batch first; unbatched inputs are not supported)")
+
+
+def _padding_as_bool(mask) -> Tensor:
+    """PyTorch's key padding mask as bool, True = padding: a bool mask as it is, a float one (what
+    ``F._canonical_mask`` makes of a bool mask) where it is ``-inf``."""
+    if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, PyTorch's meaning) or a float "
+                        f"one (-inf = padding, 0 elsewhere), got {describe(mask)}")
+    if mask.dtype == torch.bool:
+        return mask
+    padding = mask == float("-inf")
+    _checks.check_values(padding | (mask == 0), "key_padding_mask",
+                         "0 or -inf where it is a float mask (an additive bias has no linear-attention form)", mask)
+    return padding
 
 
 def _is_causal_mask(mask, Tq: int, Tk: int) -> bool:

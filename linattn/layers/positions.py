@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import _checks
 from .._numerics import no_autocast
 
-__all__ = ["POSITIONS", "DEFAULT_POSITIONS", "ROPE_BASE", "apply_rope", "token_positions"]
+__all__ = ["POSITIONS", "DEFAULT_POSITIONS", "ROPE_BASE", "apply_rope", "packed_positions", "token_positions"]
 
 POSITIONS = ("learned", "rope", "none")
 
@@ -121,3 +121,25 @@ def token_positions(start: Tensor, attention_mask: Optional[Tensor], seq: int) -
     steps = (torch.arange(1, seq + 1, device=start.device).expand(B, seq) if attention_mask is None
              else attention_mask.long().cumsum(dim=1))                  # (B, T) real tokens so far
     return (start[:, None] + steps - 1).clamp_min(0)
+
+
+def packed_positions(cu_seqlens: Tensor, seq: int) -> Tensor:
+    """The position of every token of a packed batch: its index within its own sequence.
+
+    Parameters
+    ----------
+    cu_seqlens : Tensor
+        ``(N + 1,)`` int32 or int64 offsets from 0 to ``seq`` (checked by the caller).
+    seq : int
+        ``T``, the tokens of the packed batch.
+
+    Returns
+    -------
+    Tensor
+        ``(1, T)`` int64 on the device of ``cu_seqlens``: ``t − cu_seqlens[i]`` for a token ``t``
+        of sequence ``i`` (positions restart at 0 at every sequence boundary).
+    """
+    offsets = cu_seqlens.long()
+    owner = torch.repeat_interleave(torch.arange(offsets.shape[0] - 1, device=offsets.device),
+                                    offsets[1:] - offsets[:-1], output_size=seq)   # (T,)
+    return (torch.arange(seq, device=offsets.device) - offsets[owner])[None]

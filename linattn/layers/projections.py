@@ -10,7 +10,8 @@ from torch import Tensor
 
 from .. import _checks
 from ..state import KVCache
-from .positions import ROPE_BASE, check_positions, token_positions
+from ..ops.varlen import check_cu_seqlens
+from .positions import ROPE_BASE, check_positions, packed_positions, token_positions
 
 __all__ = ["check_head_sizes", "GroupedHeads", "MultiHeadProjections"]
 
@@ -74,8 +75,23 @@ class MultiHeadProjections(GroupedHeads, nn.Module):
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
                 f"head_dim={self.head_dim}, causal={self.causal}" + (", rope=True" if self.rope else ""))
 
-    def _positions(self, positions, x: Tensor, attention_mask: Optional[Tensor], state) -> Optional[Tensor]:
-        """The ``(B, T)`` positions RoPE rotates by (None without RoPE), checked or counted."""
+    def _check_packing(self, cu_seqlens, x: Tensor, attention_mask, state, return_state: bool) -> None:
+        """``cu_seqlens`` (None, or a packed batch this layer can run: causal, no state in or out)."""
+        if cu_seqlens is None:
+            return
+        if not self.causal:
+            raise ValueError(f"cu_seqlens (a packed batch of sequences) needs a causal {type(self).__name__} "
+                             "(causal=True)")
+        check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], attention_mask)
+        if state is not None or return_state:
+            raise ValueError(f"{type(self).__name__} takes cu_seqlens for training only: no state and "
+                             "return_state=False (decode the sequences as a padded batch, or use LinearMixer, whose "
+                             "states a packed batch carries)")
+
+    def _positions(self, positions, x: Tensor, attention_mask: Optional[Tensor], state,
+                   cu_seqlens: Optional[Tensor] = None) -> Optional[Tensor]:
+        """The ``(B, T)`` positions RoPE rotates by (None without RoPE), checked or counted (from 0 at
+        each sequence of a packed batch)."""
         B, T, _ = x.shape
         if not self.rope:
             if positions is not None:
@@ -85,6 +101,8 @@ class MultiHeadProjections(GroupedHeads, nn.Module):
         if positions is not None:
             check_positions(positions, B, T, x.device)
             return positions
+        if cu_seqlens is not None:
+            return packed_positions(cu_seqlens, T).to(x.device)
         if state is None:
             start = torch.zeros(B, dtype=torch.long, device=x.device)
         elif isinstance(state, KVCache):

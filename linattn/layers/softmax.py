@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import _checks
 from .._checks import shape_str
 from ..state import KVCache
-from .positions import ROPE_BASE, apply_rope
+from .positions import ROPE_BASE, apply_rope, packed_positions
 from .projections import MultiHeadProjections
 
 __all__ = ["SoftmaxAttention"]
@@ -60,7 +60,8 @@ class SoftmaxAttention(MultiHeadProjections):
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None,
                 state: Optional[KVCache] = None, return_state: bool = False,
                 positions: Optional[Tensor] = None,
-                attention_fn: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None
+                attention_fn: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None,
+                cu_seqlens: Optional[Tensor] = None
                 ) -> Union[Tensor, tuple[Tensor, KVCache]]:
         """Attend over the cached tokens and ``x``.
 
@@ -85,6 +86,9 @@ class SoftmaxAttention(MultiHeadProjections):
             v)`` on ``(B, H, T, head_dim)`` (keys and values repeated to ``H`` heads) computes
             the attention in place of SDPA, e.g. ring attention over ranks; only without a
             cache, a mask or ``return_state``.
+        cu_seqlens : Tensor, optional
+            A packed batch, as in :meth:`linattn.LinearAttention.forward`: each token attends
+            to the earlier tokens of its own sequence only.
 
         Returns
         -------
@@ -105,20 +109,22 @@ class SoftmaxAttention(MultiHeadProjections):
             ``T`` = 0); ``x`` not on the parameters' device; a mask that is not ``(B, T)``;
             a cache whose shapes do not match the layer or each other, or whose ``k``, ``v``
             or mask is not on the device of ``x`` (the message names which); ``positions``
-            without ``rope=True``, of the wrong shape or negative.
+            without ``rope=True``, of the wrong shape or negative; ``cu_seqlens`` as in
+            :meth:`linattn.LinearAttention.forward`.
         """
         attention_mask, return_state = self._check_inputs(x, attention_mask, return_state)
+        self._check_packing(cu_seqlens, x, attention_mask, state, return_state)
         self._check_state(state, x)
-        positions = self._positions(positions, x, attention_mask, state)  # (B, T) or None
+        positions = self._positions(positions, x, attention_mask, state, cu_seqlens)  # (B, T) or None
         B, T, _ = x.shape
         q, k, v = self._project(x)                                        # (B, H, T, D), (B, H_kv, T, D) x2
         self._check_state(state, x, k.dtype)
         if self.rope:                                                     # the cache keeps rotated keys
             q, k = apply_rope(q, positions, base=self.rope_base), apply_rope(k, positions, base=self.rope_base)
         if attention_fn is not None:
-            if state is not None or attention_mask is not None or return_state:
+            if state is not None or attention_mask is not None or return_state or cu_seqlens is not None:
                 raise ValueError("attention_fn replaces the attention of one whole call: it takes no state, "
-                                 "attention_mask or return_state")
+                                 "attention_mask, return_state or cu_seqlens")
             return self._merge(attention_fn(q, self._repeat_kv(k), self._repeat_kv(v)))   # (B, T, d_model)
         # the returned cache owns its memory: never the caller's mask itself
         mask = attention_mask.clone() if attention_mask is not None else x.new_ones(B, T, dtype=torch.bool)
@@ -133,7 +139,14 @@ class SoftmaxAttention(MultiHeadProjections):
         bad_v = ~torch.isfinite(v)                                        # (B, H_kv, P + T, D)
         k_sdpa, v_sdpa = self._repeat_kv(k.masked_fill(bad_k, 0.0)), self._repeat_kv(v.masked_fill(bad_v, 0.0))
         bad = (bad_k | bad_v).float()                                     # (B, H_kv, P + T, D)
-        if state is None and attention_mask is None:                    # plain (causal) attention
+        if cu_seqlens is not None:                                       # each token sees its own sequence
+            owner = packed_positions(cu_seqlens, T).to(x.device)[0]      # (T,) index within the sequence
+            t = torch.arange(T, device=x.device)
+            start = t - owner                                             # (T,) first token of its sequence
+            allowed = ((t[None, :] <= t[:, None]) & (t[None, :] >= start[:, None]))[None, None]   # (1, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, attn_mask=allowed)
+            seen = allowed.float() @ bad                                  # (1, H_kv, T, D)
+        elif state is None and attention_mask is None:                  # plain (causal) attention
             y = F.scaled_dot_product_attention(q, k_sdpa, v_sdpa, is_causal=self.causal)
             seen = bad.cumsum(dim=2) if self.causal else bad.sum(dim=2, keepdim=True)
         else:

@@ -15,7 +15,8 @@ from .._checks import describe, shape_str
 from ..feature_maps import FeatureMap
 from ..layers.linear import LinearAttention
 from ..layers.mixer import DELTA_RULES, RULES, LinearMixer
-from ..layers.positions import DEFAULT_POSITIONS, check_positions_name, token_positions
+from ..layers.positions import DEFAULT_POSITIONS, check_positions_name, packed_positions, token_positions
+from ..ops.varlen import check_cu_seqlens
 from ..layers.softmax import SoftmaxAttention
 from ..state import DecodingState, KVCache, LinearAttentionState, MixerState
 from .generation import generate
@@ -111,9 +112,11 @@ class TransformerBlock(nn.Module):
 
     @_checks.reject_key_padding_mask
     def forward(self, x: Tensor, *, attention_mask: Optional[Tensor] = None, state=None,
-                return_state: bool = False, positions: Optional[Tensor] = None):
-        """``(B, T, d_model) -> (B, T, d_model)``; ``attention_mask``, ``state`` and
-        ``return_state`` are passed to the token mixer (see :meth:`LinearAttention.forward`,
+                return_state: bool = False, positions: Optional[Tensor] = None,
+                cu_seqlens: Optional[Tensor] = None):
+        """``(B, T, d_model) -> (B, T, d_model)``; ``attention_mask``, ``state``,
+        ``return_state`` and ``cu_seqlens`` (a packed batch) are passed to the token mixer (see
+        :meth:`LinearAttention.forward`,
         :meth:`SoftmaxAttention.forward` and :meth:`linattn.LinearMixer.forward`, whose errors
         it raises), and ``positions`` (``(B, T)`` int64) to a mixer built with ``rope=True``
         (the others have no use for it and do not get it).
@@ -126,6 +129,8 @@ class TransformerBlock(nn.Module):
             Only if ``return_state``.
         """
         extra = {"positions": positions} if getattr(self.attn, "rope", False) else {}
+        if cu_seqlens is not None:
+            extra["cu_seqlens"] = cu_seqlens
         a = self.attn(self.ln_1(x), attention_mask=attention_mask, state=state,
                       return_state=return_state, **extra)                # (B, T, d_model)
         if return_state:
@@ -220,7 +225,9 @@ class TransformerLM(nn.Module):
         A size < 1, ``d_model`` not divisible by ``n_heads``, ``n_heads`` not divisible by
         ``n_kv_heads``, an unknown mixer name, a list of mixers whose length is not
         ``n_layers``, an unknown ``positions``, ``positions="learned"`` without ``max_len``,
-        ``positions="rope"`` with an odd ``head_dim`` and softmax layers, ``conv_size < 2``,
+        ``positions="rope"`` with an odd ``head_dim`` and softmax layers or with a feature map
+        of an odd number of features and ``"linear"`` layers (Taylor's whenever
+        ``head_dim % 4 == 0``), ``conv_size < 2``,
         an unknown feature map name.
     """
 
@@ -281,8 +288,8 @@ class TransformerLM(nn.Module):
 
     @_checks.reject_key_padding_mask
     def forward(self, idx: Tensor, *, attention_mask: Optional[Tensor] = None,
-                state: Optional[DecodingState] = None, return_state: bool = False
-                ) -> Union[Tensor, tuple[Tensor, DecodingState]]:
+                state: Optional[DecodingState] = None, return_state: bool = False,
+                cu_seqlens: Optional[Tensor] = None) -> Union[Tensor, tuple[Tensor, DecodingState]]:
         """Next-token logits for every position of ``idx`` (continuing from ``state``).
 
         Parameters
@@ -299,6 +306,13 @@ class TransformerLM(nn.Module):
             Checked at every call, and each layer's state again by its token mixer.
         return_state : bool
             Also return the state after ``idx``.
+        cu_seqlens : Tensor, optional
+            A packed batch for training (flash-linear-attention's meaning): ``idx`` is
+            ``(1, T)``, ``N`` sequences end to end, ``cu_seqlens`` their ``N + 1`` offsets (1-D
+            int32 or int64 from 0 to ``T``, empty sequences allowed). Each sequence is
+            modelled alone: its positions start at 0, and every layer's mixing (the short
+            convolutions included) restarts at its first token. Not with ``attention_mask``,
+            ``state`` or ``return_state=True``.
 
         Returns
         -------
@@ -317,7 +331,9 @@ class TransformerLM(nn.Module):
             ``idx`` not 2-D, empty (``B`` or ``T`` = 0) or with ids out of range; a mask not
             ``(B, T)``; a state for a different batch or number of layers, with negative
             positions or positions on another device; a position ``>= max_len`` (when the
-            model has a ``max_len``).
+            model has a ``max_len``); ``cu_seqlens`` with ``B != 1``, with ``attention_mask``,
+            ``state`` or ``return_state=True``, not 1-D, or not offsets from 0 to ``T`` that
+            never decrease (TypeError if not an int32/int64 tensor).
         RuntimeError
             Under ``torch.compile`` (which traces ``forward`` into one graph, no breaks), ids
             out of range, positions ``>= max_len`` and non-0/1 integer masks are checked inside
@@ -329,7 +345,14 @@ class TransformerLM(nn.Module):
         attention_mask = _checks.attention_mask_as_bool(attention_mask, B, T, idx.device)
         return_state = _checks.check_bool(return_state, "return_state")
         start = self._check_state(state, B, idx.device)                   # (B,)
-        pos = token_positions(start, attention_mask, T)                   # (B, T) padding before a prompt: 0
+        if cu_seqlens is not None:
+            if state is not None or return_state:
+                raise ValueError("TransformerLM takes cu_seqlens for training only: no state and return_state=False "
+                                 "(decode the sequences as a padded batch)")
+            check_cu_seqlens(cu_seqlens, B, T, attention_mask)
+            pos = packed_positions(cu_seqlens, T).to(idx.device)          # (1, T) from 0 in every sequence
+        else:
+            pos = token_positions(start, attention_mask, T)               # (B, T) padding before a prompt: 0
         if cfg.max_len is not None:
             why = ("the model's learned positions" if cfg.positions == "learned"
                    else "the limit the model was built with; max_len=None sets none")
@@ -343,7 +366,7 @@ class TransformerLM(nn.Module):
         layer_states = []
         for i, block in enumerate(self.blocks):
             out = block(x, attention_mask=attention_mask, state=None if state is None else state.layers[i],
-                        return_state=return_state, positions=rope_positions)
+                        return_state=return_state, positions=rope_positions, cu_seqlens=cu_seqlens)
             x, s = out if return_state else (out, None)
             layer_states.append(s)
         logits = self.lm_head(self.ln_f(x))                               # (B, T, vocab_size)
@@ -412,8 +435,11 @@ class TransformerLM(nn.Module):
         layers = sum(block.attn.decoding_state_nbytes(position, batch) for block in self.blocks)
         return layers + batch * torch.empty((), dtype=torch.long).element_size()
 
-    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+    def loss(self, idx: Tensor, targets: Tensor, *, cu_seqlens: Optional[Tensor] = None) -> Tensor:
         """Mean next-token cross-entropy in nats: ``idx``, ``targets`` ``(B, T)`` int64 -> scalar.
+
+        ``cu_seqlens`` (a packed batch, as in :meth:`forward`) reaches the forward pass; the
+        targets of each sequence's last token are the caller's (``-100`` skips them).
 
         Raises
         ------
@@ -423,7 +449,7 @@ class TransformerLM(nn.Module):
             ``targets`` not of the shape of ``idx``, or with values outside ``[0, vocab_size)``
             other than ``-100``.
         """
-        logits = self(idx)                                                # (B, T, V); checks idx
+        logits = self(idx, cu_seqlens=cu_seqlens)                         # (B, T, V); checks idx
         if not isinstance(targets, Tensor) or targets.dtype != torch.long:
             raise TypeError(f"targets must be an int64 (torch.long) tensor of token ids, got {describe(targets)}")
         if targets.shape != idx.shape:

@@ -612,3 +612,94 @@ def test_duplicate_sequence_lengths_are_measured_once():
     rows = bench.run_benchmark(["chunk", "cumsum"], [16, 16, 32], device="cpu", heads=1, head_dim=4, repeats=1)
     assert [(r["method"], r["seq_len"]) for r in rows] == [("chunk", 16), ("cumsum", 16), ("chunk", 32),
                                                            ("cumsum", 32)]
+
+
+# ------------------------------------------------------------------ the reference, half inputs, peers
+
+
+def test_a_reference_left_out_of_methods_is_timed_and_divides(capsys):
+    """--methods chunk --reference sdpa used to print no ratio columns, and say nothing about it."""
+    argv = ["--device", "cpu", "--seq-lens", "16", "--heads", "1", "--head-dim", "4", "--repeats", "1",
+            "--warmup", "0", "--methods", "chunk", "--reference", "sdpa", "--no-progress", "--no-backward"]
+    assert bench.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[-2:] == ["/", "sdpa"] and "fwd / sdpa" in lines[2]
+    assert [line.split()[1] for line in lines[3:5]] == ["chunk", "sdpa"]
+
+
+def test_a_table_says_why_it_has_no_ratio_columns():
+    rows = bench.run_benchmark(["chunk", "fused"], [16], **TINY)                # fused cannot run on the CPU
+    table = bench.format_table(rows, reference="fused")
+    assert "fwd / fused" not in table
+    assert "no ratio columns: the reference fused did not run (unavailable: the Triton kernel runs on CUDA" in table
+    assert "no ratio columns" not in bench.format_table(rows, reference="chunk")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunk_cpu_runs_half_inputs_as_the_compiled_path_does(dtype):
+    """linear_attention computes half inputs' features in float32, which the compiled kernel takes: so does
+    the bench's chunk_cpu (it used to be marked unavailable for half inputs)."""
+    cpu = torch.device("cpu")
+    assert bench.unavailable("chunk_cpu", cpu, 64, dtype) == bench.unavailable("chunk_cpu", cpu, 64, torch.float32)
+    if bench.unavailable("chunk_cpu", cpu, 64, dtype) is not None:
+        pytest.skip(f"the compiled CPU kernel is not built here: {bench.unavailable('chunk_cpu', cpu, 64)}")
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in _qkv(1, 2, 37, 8, 8))
+    got = _output_and_grads(bench.method_fn("chunk_cpu", 16), q, k, v)
+    want = _output_and_grads(lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, chunk_size=16), q, k, v)
+    assert got[0].dtype == dtype
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=0.02, atol=0.02)
+
+
+def test_without_transformers_the_decay_bench_says_it_has_no_peer(monkeypatch, capsys):
+    monkeypatch.setattr(bench.run, "transformers_gated_delta", lambda: None)
+    assert bench.main([*DECAY_TINY, "--seq-lens", "8", "--variants", "gated_delta"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers_gdn" not in out and "(no peer: transformers is not importable here; pip install" in out
+
+
+@pytest.fixture
+def transformers_peer():
+    pytest.importorskip("transformers", minversion="5.0", reason="the peer is transformers' gated delta rule: "
+                        "pip install transformers (>= 5)")
+    return bench.peers.transformers_gated_delta()
+
+
+@pytest.mark.transformers
+def test_the_transformers_peer_computes_the_gated_delta_rule(transformers_peer):
+    """Its (B, T, H, D) call through linattn's layout gives gated_delta_rule(q · D^-1/2, ...): values and grads."""
+    peer, label = transformers_peer
+    assert label.startswith("transformers ") and label.endswith("torch_chunk_gated_delta_rule")
+    q, k, v, (log_g, beta) = bench.run._decay_inputs("gated_delta", 2, 3, 100, 16, torch.float32, torch.device("cpu"),
+                                                     seed=0, gate_temperature=4.0)
+    got = _output_and_grads(bench.peers.gated_delta_peer_call(peer, log_g, beta, 32), q, k, v)
+    want = _output_and_grads(lambda q, k, v: linattn.gated_delta_rule(q * 16 ** -0.5, k, v, log_g, beta,
+                                                                     chunk_size=32), q, k, v)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.transformers
+def test_the_decay_bench_times_the_transformers_peer_in_the_same_rounds(transformers_peer):
+    rows = bench.run_decay_benchmark([40], variants=["gated_delta"], heads=2, head_dim=8, chunk_size=[16, 32],
+                                     repeats=2, warmup=0, recurrent=False)
+    peer_rows = [r for r in rows if r["variant"] == "transformers_gdn"]
+    assert [r["chunk_size"] for r in peer_rows] == [16, 32]
+    assert all(r["peer"] == transformers_peer[1] and len(r["fwd_times"]) == len(r["fwd_bwd_times"]) == 2
+               for r in peer_rows)
+    assert all(r["peer"] is None for r in rows if r["variant"] != "transformers_gdn")
+    table = bench.format_decay_table(rows)
+    header, *body = table.splitlines()[2:2 + 1 + len(rows)]
+    assert header.split()[-4:] == ["fwd", "peer/linattn", "f+b", "peer/linattn"]
+    peer_lines = [line for line in body if "transformers_gdn" in line]
+    assert len(peer_lines) == 2 and all(re_ratio(line) for line in peer_lines)
+    assert "torch_chunk_gated_delta_rule, on the gated_delta rows' inputs" in table
+    assert not any(r["variant"] == "transformers_gdn" for r in bench.run_decay_benchmark(
+        [40], variants=["gated_delta"], heads=2, head_dim=8, repeats=1, warmup=0, recurrent=False, peers=False))
+
+
+def re_ratio(line: str) -> bool:
+    """The line ends with two paired-ratio cells, ``median (min-max)``."""
+    import re
+
+    return re.search(r"\d\S* \(\S+-\S+\)\s+\d\S* \(\S+-\S+\)$", line) is not None

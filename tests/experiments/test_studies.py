@@ -94,3 +94,54 @@ def test_load_results_names_the_command_only_for_a_registered_study(tmp_path):
         experiments.load_results(tmp_path / "positions.json")
     with pytest.raises(FileNotFoundError, match="'ft_side_by_side' is not a study"):
         experiments.load_results(tmp_path / "ft_side_by_side.json")
+
+
+# --------------------------------------------------------------------------- the command line's usage errors
+
+
+def _usage_error(capsys, *argv) -> str:
+    """The message of ``python -m linattn.experiments ARGV``'s usage error (exit status 2)."""
+    from linattn.experiments.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture
+def no_cell_may_run(toy, monkeypatch):
+    def refuse(cell):
+        raise AssertionError("a cell ran before the arguments were checked")
+
+    monkeypatch.setattr(experiments.study(toy), "run_cell", refuse)
+    return toy
+
+
+def test_an_out_that_is_a_folder_fails_before_any_cell_runs(no_cell_may_run, tmp_path, capsys):
+    assert "--out: out must name a results file, got the folder" in _usage_error(capsys, "toy", "--out", str(tmp_path))
+    (tmp_path / "file").write_text("")
+    assert "which is a file" in _usage_error(capsys, "toy", "--out", str(tmp_path / "file" / "toy.json"))
+    with pytest.raises(ValueError, match="out must name a results file, got the folder"):
+        experiments.run_study(no_cell_may_run, out=tmp_path, progress=None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "0"], "argument --workers: expected an integer >= 1, got '0'"),
+    (["--workers", "two"], "argument --workers: expected an integer >= 1, got 'two'"),
+    (["--cells", "a,b"], "argument --cells: expected comma-separated grid indices such as 0,3,4, got 'a,b'"),
+    (["--cells", "1,-2"], "argument --cells: expected comma-separated grid indices"),
+    (["--cells", "0,4"], "--cells: grid index 4 is out of range: study 'toy' has 4 cells (0 to 3)"),
+])
+def test_bad_workers_and_cells_are_usage_errors(no_cell_may_run, capsys, argv, message):
+    err = _usage_error(capsys, "toy", *argv)
+    assert message in err and "usage: python -m linattn.experiments" in err and "Traceback" not in err
+
+
+def test_a_study_that_starts_its_own_processes_refuses_workers(capsys):
+    """sp_exchange's cells start P ranks each: a pool's daemonic worker may not (and the timings would share
+    the cores), so --workers 2 is refused up front, by the command line and by run_study."""
+    assert "--workers: study 'sp_exchange' runs its cells one at a time" in _usage_error(
+        capsys, "sp_exchange", "--workers", "2")
+    with pytest.raises(ValueError, match="study 'sp_exchange' runs its cells one at a time .* got 2"):
+        experiments.run_study("sp_exchange", workers=2)

@@ -84,8 +84,10 @@ def test_multihead_wrapper_refuses_what_it_cannot_do():
         (lambda: layer(x, x, x, attn_mask=[[0]]), TypeError, "attn_mask must be a torch.Tensor"),
         (lambda: layer(x, y, y, is_causal=True), ValueError, r"needs as many queries as keys, got Tq=5 and Tk=6"),
         (lambda: layer(x, y, x), ValueError, "key and value Tk"),
-        (lambda: layer(x, x, x, key_padding_mask=torch.zeros(2, 5)), TypeError,
-         r"key_padding_mask must be a bool tensor \(True = padding"),
+        (lambda: layer(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.long)), TypeError,
+         r"key_padding_mask must be a bool tensor \(True = padding.* or a float one"),
+        (lambda: layer(x, x, x, key_padding_mask=torch.full((2, 5), -1.0)), ValueError,
+         r"key_padding_mask must be 0 or -inf where it is a float mask .*, got -1.0"),
         (lambda: layer(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
          r"key_padding_mask must have shape \(batch, seq\) = \(2, 5\)"),
         (lambda: layer(x[0], x[0], x[0]), ValueError, r"query must have shape \(batch, seq, embed_dim=32\)"),
@@ -95,3 +97,68 @@ def test_multihead_wrapper_refuses_what_it_cannot_do():
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
+
+
+# ---------------------------------------------------------------------------------------
+# Inside nn.TransformerEncoderLayer and nn.TransformerEncoder
+# ---------------------------------------------------------------------------------------
+
+
+def _encoder_layer(seed=0):
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True).double()
+    layer.self_attn = LinearMultiheadAttention(32, 4, batch_first=True).double()
+    return layer
+
+
+def _post_norm_block(layer, x, key_padding_mask=None, is_causal=False):
+    """nn.TransformerEncoderLayer's equations (post-norm), with linattn's attention and a bool mask."""
+    a, _ = layer.self_attn(x, x, x, key_padding_mask=key_padding_mask, is_causal=is_causal)
+    h = layer.norm1(x + a)
+    return layer.norm2(h + layer.linear2(layer.activation(layer.linear1(h))))
+
+
+@pytest.fixture
+def no_fused_path(monkeypatch):
+    """PyTorch's fused inference kernels (softmax attention on packed weights) fail the test if called."""
+    def fused(*args, **kwargs):
+        raise AssertionError("PyTorch's fused softmax path ran in place of linear attention")
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", fused)
+    monkeypatch.setattr(torch, "_nested_tensor_from_mask", fused)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "eval_no_grad"])
+def test_in_an_encoder_layer_every_mode_runs_linear_attention(mode, no_fused_path):
+    layer = _encoder_layer()
+    layer.train(mode == "train")
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 4:] = True                                                   # row 1: 3 padded keys
+    with torch.set_grad_enabled(mode != "eval_no_grad"):
+        plain = layer(x)
+        masked = layer(x, src_key_padding_mask=padding)                    # PyTorch passes it on as 0 / -inf
+        causal = layer(x, src_mask=torch.nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64),
+                       is_causal=True)
+        torch.testing.assert_close(plain, _post_norm_block(layer, x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(masked, _post_norm_block(layer, x, padding), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(causal, _post_norm_block(layer, x, is_causal=True), rtol=1e-12, atol=1e-12)
+        # padded keys change nothing for the real tokens of row 1
+        torch.testing.assert_close(masked[1, :4], layer(x[1:, :4])[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("mode", ["train", "eval_no_grad"])
+def test_a_transformer_encoder_of_linear_layers_stacks_them(mode, no_fused_path):
+    layer = _encoder_layer()
+    encoder = torch.nn.TransformerEncoder(layer, 2).train(mode == "train")
+    x = torch.randn(2, 6, 32, dtype=torch.float64)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[0, 3:] = True                                                   # right padding of row 0
+    with torch.set_grad_enabled(mode == "train"):
+        got = encoder(x, src_key_padding_mask=padding)
+        want = x
+        for block in encoder.layers:
+            want = _post_norm_block(block, want, padding)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert isinstance(encoder.layers[1].self_attn, LinearMultiheadAttention)

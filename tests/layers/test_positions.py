@@ -211,14 +211,28 @@ def test_rope_layers_refuse_what_they_cannot_do():
         layer(x, positions=torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="rope=True .* needs an even head_dim, got head_dim=5"):
         SoftmaxAttention(10, 2, rope=True)
-    odd = LinearAttention(16, 2, causal=True, rope=True,
-                          feature_map=lambda t: torch.cat([F.elu(t) + 1, torch.ones_like(t[..., :1])], dim=-1))
+    odd_map = lambda t: torch.cat([F.elu(t) + 1, torch.ones_like(t[..., :1])], dim=-1)  # noqa: E731
+    with pytest.raises(ValueError, match="rope=True rotates pairs of features, but feature_map=.* gives an odd "
+                                         "number of features, M=9, for head_dim=8"):
+        LinearAttention(16, 2, causal=True, rope=True, feature_map=odd_map)
+    layer.feature_map = odd_map                                           # replaced after construction
     with pytest.raises(ValueError, match="even number of features, got M=9"):
-        odd(x)
+        layer(x)
     with pytest.raises(ValueError, match="rope_base must be > 1"):
         LinearAttention(16, 2, rope=True, rope_base=0.5)
     with pytest.raises(TypeError, match="rope must be a bool"):
         SoftmaxAttention(16, 2, rope="yes")
+
+
+def test_taylor_features_with_rope_are_refused_when_the_model_is_built():
+    """1 + D + D(D+1)/2 features: odd whenever D % 4 == 0, and RoPE turns pairs. The model is refused
+    when built (not at its first forward); without rope, or with D % 4 == 2, Taylor runs."""
+    with pytest.raises(ValueError, match=r"feature_map='taylor' gives an odd number of features, M=45, for "
+                                         r"head_dim=8 .* positions='none' or 'learned'"):
+        TransformerLM(65, 32, 1, 4, feature_map="taylor")                # positions="rope" by default
+    for model in (TransformerLM(65, 32, 1, 4, feature_map="taylor", positions="none"),
+                  TransformerLM(65, 24, 1, 4, feature_map="taylor")):     # head_dim 6: M = 28, even
+        assert model(torch.randint(65, (1, 5))).shape == (1, 5, 65)
 
 
 # ---------------------------------------------------------------------------------------
