@@ -11,7 +11,15 @@ rules). Training: 2000 Adam steps on batches of 64 fresh sequences cycling throu
 ``N = 4, 8, 16, 32, 64`` (constant learning rate after 100 warm-up steps; accuracy is also
 recorded after 500 and 1000 steps), then 256 test sequences per ``N``. Every model at three
 learning rates for seed 0; the models at ``D = 16`` (and the smaller Taylor and DPFP maps)
-also for seeds 1 and 2 at all three, so their points carry error bars.
+also for seeds 1 and 2 at all three, so their points carry error bars. Chapter 7's feature-map
+heads whose best rate was an edge of that grid get one more rate beyond it (:data:`EXTRA_LRS`:
+``3e-2`` above ``1e-2``, ``3e-4`` below ``1e-3`` for cosFormer), for the same seeds; these cells
+come after the others in the grid, so the earlier cells keep their indices.
+
+The grid was extended after its first run: :data:`REUSE_FROM` names this study's own results
+file, so a rerun copies every cell already in ``chapters/results/mqar.json`` (each row marked
+``reused_from`` with the commit it was computed at) and trains only the new ones. Delete the file
+first to retrain every cell.
 """
 from __future__ import annotations
 
@@ -53,6 +61,11 @@ MODELS = {
                               output_norm=True, key_dim=16),
 }
 SEEDED = [name for name, m in MODELS.items() if m["key_dim"] == 16 or name in ("Taylor D=8", "DPFP ν=2 D=8")]
+# Chapter 7's heads whose best rate in LRS was the grid's edge, and the rate added beyond it.
+EXTRA_LRS = {**{name: (3e-2,) for name in ("elu+1 D=8", "elu+1 D=16", "elu+1 D=32", "DPFP ν=1 D=8",
+                                            "DPFP ν=2 D=8", "Taylor D=4", "Taylor D=8", "Hedgehog D=16")},
+             "cosFormer D=16": (3e-4,)}
+REUSE_FROM = "mqar"           # the cells already run are copied from the results file, not retrained
 
 
 def cell(name: str, lr: float, seed: int, steps: int = STEPS, checkpoints=CHECKPOINTS) -> dict:
@@ -65,6 +78,8 @@ def cell(name: str, lr: float, seed: int, steps: int = STEPS, checkpoints=CHECKP
 def grid() -> list[dict]:
     cells = [cell(name, lr, 0) for name in MODELS for lr in LRS]
     cells += [cell(name, lr, seed) for seed in SEEDS[1:] for name in SEEDED for lr in LRS]
+    cells += [cell(name, lr, seed) for seed in SEEDS for name, lrs in EXTRA_LRS.items() for lr in lrs
+              if seed == 0 or name in SEEDED]
     return cells
 
 
