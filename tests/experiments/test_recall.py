@@ -105,7 +105,7 @@ def test_reassign_grid_and_one_cell():
 def test_charlm_grid_and_one_short_run():
     from linattn.experiments import charlm
     cells = charlm.grid()
-    assert len(cells) == 2 * 3 * 3 * 4 + 2 * 2 * 3
+    assert len(cells) == 2 * 3 * 3 * 4 + 2 * 2 * 3 + 2 * 2 * 3 == 96               # + 2000 steps at 2e-2, 3e-2
     out = charlm.run_cell(dict(attention="linear", lr=1e-2, seed=0, steps=2))
     assert len(out["per_position"]) == 128 and out["parameters"] == 111_936 and not out["diverged"]
     rows = [dict(cell=dict(attention="linear", lr=lr, seed=s, steps=2), result=dict(val_loss=lr + s))
