@@ -3,9 +3,10 @@
 Two-layer models (d_model 64, 4 heads) trained on multi-query associative recall in which
 nothing hands the model the previous token (see :mod:`linattn.experiments._recall`): the gated
 delta rule with its short causal convolution (kernel 4), the same without it, and softmax
-attention with RoPE. Phase ``recall_conv_sweep``: each model at three learning rates (seed 0).
-Phase ``recall_conv``: each at its best learning rate, three seeds, and one seed at five times
-the budget (is the ranking a budget artefact?). The second reads the first's results file.
+attention with RoPE. Phase ``recall_conv_sweep``: each model at five learning rates (seed 0), a
+grid wide enough that each model's best rate lies inside it. Phase ``recall_conv``: each at its
+best learning rate, three seeds at the budget and three seeds at five times the budget (is the
+ranking a budget artefact?). The second reads the first's results file.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ MODELS = {
     "softmax (RoPE)": dict(attention="softmax", positions="rope"),
 }
 BASE = dict(d_model=64, n_layers=2, n_heads=4, chunk_size=32)
-LRS = (1e-3, 3e-3, 1e-2)
+LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 STEPS = 1000
 SEEDS = (0, 1, 2)
-LONG_MODELS = tuple(MODELS)          # every model once at 5x the budget
+LONG_MODELS = tuple(MODELS)          # every model at 5x the budget, three seeds
 REUSE_FROM = "recall_conv_sweep"   # its seed-0 cell at the best rate is a sweep cell
 CHECK_STEPS = 40        # a short cell for the chapter to re-run under nbval
 
@@ -46,7 +47,7 @@ def best_lrs(sweep: dict) -> dict:
 def grid() -> list[dict]:
     lrs = best_lrs(load_results("recall_conv_sweep"))
     cells = [dict(model=m, lr=lrs[m], seed=s, steps=STEPS) for m in MODELS for s in SEEDS]
-    cells += [dict(model=m, lr=lrs[m], seed=0, steps=5 * STEPS) for m in LONG_MODELS]
+    cells += [dict(model=m, lr=lrs[m], seed=s, steps=5 * STEPS) for m in LONG_MODELS for s in SEEDS]
     cells.append(dict(model="gated delta + conv", lr=lrs["gated delta + conv"], seed=0, steps=CHECK_STEPS))
     return cells
 
