@@ -52,7 +52,7 @@ def delta_rule(
     chunk_size : int
         Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. A smaller
         chunk shrinks the products with a ``C × C`` factor, not those with the ``Dk × Dv`` state
-        (chapter 11 counts them). On a 2-core CPU, timed in the same rounds, ``chunk_size=32``
+        (appendix A, §A.2, counts them). On a 2-core CPU, timed in the same rounds, ``chunk_size=32``
         took 0.92 of the forward+backward time of 64 at one thread and 1.01 at two (medians of 41
         rounds; single rounds from 0.66 to 1.43), so measure it on yours.
     method, feature_map, initial_state, return_state
