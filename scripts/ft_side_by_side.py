@@ -1,6 +1,6 @@
 """linattn's causal linear attention against fast-transformers' published CPU kernel, side by side.
 
-The measurement behind chapter 11 §11.4 (``chapters/results/ft_side_by_side.json``). The peer is
+The measurement behind appendix A, §A.1 (``chapters/results/ft_side_by_side.json``). The peer is
 ``fast_transformers/causal_product/causal_product_cpu.cpp`` from a checkout of
 idiap/fast-transformers that you provide: its code is not linattn's and is not shipped here. This
 script builds that one file with ``torch.utils.cpp_extension.load`` (fast-transformers' PyPI

@@ -17,7 +17,7 @@ from . import origin
 from .origin import git_commit, provenance, results_path
 
 __all__ = ["STUDIES", "study", "provenance", "run_study", "load_results", "check_cell", "check_out", "results_path",
-           "git_commit"]
+           "git_commit", "train_char_lm"]
 
 STUDIES: dict[str, str] = {}
 """Study name -> module: a module of this package (``"recall"``) or a full dotted path."""
@@ -165,12 +165,42 @@ def check_out(out) -> pathlib.Path:
     return path
 
 
+def train_char_lm(model_kwargs: dict, *, steps: int, lr: float, seed: int, batch_size: int = 32,
+                  block_size: int = 128) -> dict:
+    """Build, train and evaluate one character model on tiny Shakespeare with the studies' recipe.
+
+    The recipe of the language-model studies (``charlm``, ``positions``, ``modern_lm``): AdamW with
+    warm-up and a cosine decay to zero over ``steps``, batches drawn with ``seed``.
+
+    Parameters
+    ----------
+    model_kwargs : dict
+        Keyword arguments of :class:`linattn.TransformerLM` besides the vocabulary size.
+    steps, lr, seed : int, float, int
+        The budget, the peak learning rate and the seed of the weights and the batches.
+    batch_size, block_size : int
+        Windows per batch and characters per window.
+
+    Returns
+    -------
+    dict
+        ``val_loss`` (nats per character), ``per_position``, ``train_curve``, ``parameters``,
+        ``diverged`` and ``n_windows``: what a study cell records.
+    """
+    from . import _lm
+    return _lm.run(model_kwargs, steps=steps, lr=lr, seed=seed, batch_size=batch_size, block_size=block_size)
+
+
 def _cell_key(cell: dict) -> str:
     return json.dumps(cell, sort_keys=True)
 
 
 def _reusable_rows(mod, cells: list[dict]) -> dict:
-    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell."""
+    """Rows of the study named by ``mod.REUSE_FROM`` whose cell is one of ``cells``, keyed by cell.
+
+    A copied row is marked ``reused_from`` with the source's study and commit; a row that the source
+    had itself copied keeps the ``reused_from`` it has, which names where it was computed.
+    """
     source = getattr(mod, "REUSE_FROM", None)
     if source is None:
         return {}
@@ -183,8 +213,8 @@ def _reusable_rows(mod, cells: list[dict]) -> dict:
     for row in doc["rows"]:
         key = _cell_key(row["cell"])
         if key in wanted and key not in out:
-            out[key] = dict(row, reused_from={"study": source,
-                                              "commit": doc.get("provenance", {}).get("commit")})
+            out[key] = dict(row) if "reused_from" in row else dict(
+                row, reused_from={"study": source, "commit": doc.get("provenance", {}).get("commit")})
     return out
 
 

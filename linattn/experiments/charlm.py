@@ -11,6 +11,8 @@ LRS = (3e-3, 1e-2, 3e-2)
 SEEDS = (0, 1, 2)
 BUDGETS = (100, 200, 300, 400)
 LONG_STEPS, LONG_LRS = 2000, (3e-3, 1e-2)
+HIGH_LONG_LRS = (2e-2, 3e-2)  # added: 1e-2 was the best of LONG_LRS for both models
+REUSE_FROM = "charlm"         # the cells already run are copied from the results file, not retrained
 
 
 def grid() -> list[dict]:
@@ -18,6 +20,8 @@ def grid() -> list[dict]:
              for s in SEEDS for n in BUDGETS for a in ("linear", "softmax") for lr in LRS]
     cells += [dict(attention=a, lr=lr, seed=s, steps=LONG_STEPS)
               for s in SEEDS for a in ("linear", "softmax") for lr in LONG_LRS]
+    cells += [dict(attention=a, lr=lr, seed=s, steps=LONG_STEPS)
+              for s in SEEDS for a in ("linear", "softmax") for lr in HIGH_LONG_LRS]
     return cells
 
 

@@ -39,6 +39,11 @@ MODELS = {
                               output_norm=True, key_dim=16),
 }
 SEEDED = [name for name, m in MODELS.items() if m["key_dim"] == 16 or name in ("Taylor D=8", "DPFP ν=2 D=8")]
+# Chapter 7's heads whose best rate in LRS was the grid's edge, and the rate added beyond it.
+EXTRA_LRS = {**{name: (3e-2,) for name in ("elu+1 D=8", "elu+1 D=16", "elu+1 D=32", "DPFP ν=1 D=8",
+                                            "DPFP ν=2 D=8", "Taylor D=4", "Taylor D=8", "Hedgehog D=16")},
+             "cosFormer D=16": (3e-4,)}
+REUSE_FROM = "mqar"           # the cells already run are copied from the results file, not retrained
 
 
 def cell(name: str, lr: float, seed: int, steps: int = STEPS, checkpoints=CHECKPOINTS) -> dict:
@@ -48,9 +53,15 @@ def cell(name: str, lr: float, seed: int, steps: int = STEPS, checkpoints=CHECKP
                 steps=steps, checkpoints=list(checkpoints), lr=lr, batch=64, seed=seed)
 
 
+# Chapter 9's delta-rule heads, whose best rate in LRS was 1e-2, the grid's top edge: one rate above it.
+EXTRA_LRS.update({name: (3e-2,) for name in ("delta D=8", "delta D=16", "delta D=32")})
+
+
 def grid() -> list[dict]:
     cells = [cell(name, lr, 0) for name in MODELS for lr in LRS]
     cells += [cell(name, lr, seed) for seed in SEEDS[1:] for name in SEEDED for lr in LRS]
+    cells += [cell(name, lr, seed) for seed in SEEDS for name, lrs in EXTRA_LRS.items() for lr in lrs
+              if seed == 0 or name in SEEDED]
     return cells
 
 

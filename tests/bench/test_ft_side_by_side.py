@@ -1,4 +1,4 @@
-"""scripts/ft_side_by_side.py, the harness of chapter 11's side-by-side run, without the peer's C++.
+"""scripts/ft_side_by_side.py, the harness of appendix A's side-by-side run (§A.1), without the peer's C++.
 
 The peer (fast-transformers' CPU kernel) is not part of linattn; here a stand-in module with the
 same two functions, written with torch operations, checks what the harness adds around them: the

@@ -85,7 +85,9 @@ def test_gla_gate_summary_and_mqar_grid():
     summary = recall.gate_summary(model, _cell(mixer="gla", feature_map=None))
     assert 0 < summary["q10"] <= summary["median"] <= summary["q90"] < 1
     cells = mqar.grid()
-    assert len(cells) == len(mqar.MODELS) * 3 + 2 * len(mqar.SEEDED) * 3
+    extra = sum(len(lrs) * (len(mqar.SEEDS) if name in mqar.SEEDED else 1) for name, lrs in mqar.EXTRA_LRS.items())
+    assert len(cells) == len(mqar.MODELS) * 3 + 2 * len(mqar.SEEDED) * 3 + extra == 165
+    assert len({(c["name"], c["lr"], c["seed"]) for c in cells}) == len(cells)          # no cell twice
     assert {c["vocab_size"] for c in cells} == {513} and len(recall_vocab(513)[0]) == 4 * max(mqar.SIZES)
     rows = [dict(cell=c, result=dict(accuracy=[c["lr"]] * 5, state_floats=1)) for c in cells if c["name"] == "softmax"]
     assert mqar.best(rows)["softmax"]["best_lr"] == max(mqar.LRS)
@@ -103,7 +105,7 @@ def test_reassign_grid_and_one_cell():
 def test_charlm_grid_and_one_short_run():
     from linattn.experiments import charlm
     cells = charlm.grid()
-    assert len(cells) == 2 * 3 * 3 * 4 + 2 * 2 * 3
+    assert len(cells) == 2 * 3 * 3 * 4 + 2 * 2 * 3 + 2 * 2 * 3 == 96               # + 2000 steps at 2e-2, 3e-2
     out = charlm.run_cell(dict(attention="linear", lr=1e-2, seed=0, steps=2))
     assert len(out["per_position"]) == 128 and out["parameters"] == 111_936 and not out["diverged"]
     rows = [dict(cell=dict(attention="linear", lr=lr, seed=s, steps=2), result=dict(val_loss=lr + s))

@@ -80,6 +80,27 @@ def test_a_second_phase_reuses_identical_cells_of_the_first(toy, tmp_path, monke
     assert new["result"] == real({"seed": 7, "n": 3})
 
 
+def test_a_row_copied_twice_keeps_where_it_was_computed(toy, tmp_path, monkeypatch):
+    experiments.run_study(toy, out=tmp_path / "toy.json", progress=None)
+    mod = experiments.study(toy)
+    monkeypatch.setattr(mod, "grid", lambda: [{"seed": 1, "n": 5}])
+    monkeypatch.setattr(mod, "REUSE_FROM", str(tmp_path / "toy.json"), raising=False)
+    second = experiments.run_study(toy, out=tmp_path / "toy2.json", progress=None)
+    monkeypatch.setattr(mod, "REUSE_FROM", str(tmp_path / "toy2.json"), raising=False)
+    third = experiments.run_study(toy, out=tmp_path / "toy3.json", progress=None)
+    (row,) = third["rows"]
+    assert row["reused_from"] == second["rows"][0]["reused_from"]
+    assert row["reused_from"]["study"].endswith("toy.json")              # not the copy it was read from
+
+
+def test_the_studies_training_recipe_is_public():
+    from linattn.experiments import _lm
+    assert "train_char_lm" in experiments.__all__
+    kwargs = dict(d_model=16, n_layers=1, n_heads=2, positions="learned", max_len=32, attention="linear")
+    out = experiments.train_char_lm(kwargs, steps=2, lr=1e-2, seed=0, batch_size=2, block_size=32)
+    assert out == _lm.run(kwargs, steps=2, lr=1e-2, seed=0, batch_size=2, block_size=32)
+
+
 def test_provenance_is_taken_when_the_cells_start(toy, tmp_path, monkeypatch):
     commits = iter(["aaa", "bbb"])
     monkeypatch.setattr(experiments.origin, "git_commit", lambda: next(commits))

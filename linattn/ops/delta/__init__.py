@@ -57,7 +57,7 @@ def delta_rule(
     chunk_size : int
         Tokens per chunk of ``method="chunk"``; ``T`` need not be a multiple of it. A smaller
         chunk shrinks the products with a ``C × C`` factor, not those with the ``Dk × Dv`` state
-        (chapter 11 counts them); measure ``chunk_size=32`` against 64 on your machine.
+        (appendix A, §A.2, counts them); measure ``chunk_size=32`` against 64 on your machine.
     method, feature_map
         As in :func:`retention`.
     scale : float, optional
