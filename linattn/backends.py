@@ -64,10 +64,8 @@ def set_cpu_calibrator(fn) -> None:
 def use_backends(*backends: str, calibrated: bool = False) -> Iterator[tuple[str, ...]]:
     """Run the chunk methods inside the block on the first of ``backends`` that can run each call.
 
-    With ``calibrated=True`` the ``"cpu"`` backend runs an op only where the calibration of the compiled
-    loops (:func:`linattn.calibrate.calibrate_cpu_kernels`, measured once per library and thread count)
-    found it faster than the PyTorch chunk form, as ``LINATTN_CPU_KERNEL=1`` does; by default a listed
-    backend runs wherever it can.
+    With ``calibrated=True`` ``"cpu"`` runs an op only where :func:`linattn.calibrate.calibrate_cpu_kernels`
+    found it faster than the PyTorch chunk form, as ``LINATTN_CPU_KERNEL=1`` does.
 
     Raises
     ------

@@ -1,13 +1,6 @@
-"""Calibrating the compiled CPU loops: are they faster than the PyTorch chunk forms on this machine?
-
-``LINATTN_CPU_KERNEL=1`` asks for the compiled loops, but a loop built for a machine without wide
-vectors (or a machine unlike the ones it was tuned on) can be slower than the PyTorch chunk form. So the
-first time an op would run compiled, each op is timed both ways on one problem, forward and
-forward+backward, in interleaved rounds, and the verdicts are cached beside the library
-(:mod:`linattn.kernels.cpu.calibration`); where the compiled loop lost, the PyTorch path runs and
-:func:`linattn.backends.last_backend` says so. ``use_backends("cpu")`` and ``LINATTN_CPU_KERNEL=force``
-run the compiled loops regardless.
-"""
+"""Calibrating the compiled CPU loops against the PyTorch chunk forms on this machine (``python -m linattn.calibrate``);
+the verdicts are cached beside the built library (:mod:`linattn.kernels.cpu.calibration`) and ``LINATTN_CPU_KERNEL=1``
+follows them (``force``: the loops run regardless)."""
 from __future__ import annotations
 
 import statistics
@@ -82,26 +75,10 @@ def _time_pair(run, backward: bool, rounds: int, clock) -> dict:
 def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False) -> dict:
     """Time every op's compiled loop against its PyTorch chunk form and cache the verdicts beside the library.
 
-    Parameters
-    ----------
-    threads : int, optional
-        Intra-op threads to calibrate for (default: ``torch.get_num_threads()``).
-    force : bool
-        Measure again even if this library already has verdicts for ``threads``.
-
-    Returns
-    -------
-    dict
-        The calibration file's content: ``problem``, ``build``, and under ``threads[str(threads)][op]``
-        for each pass (``"forward"``, ``"forward+backward"``) the median seconds ``compiled_s``,
-        ``torch_s``, their median ratio ``torch_over_compiled`` and ``compiled_faster``.
-
-    Raises
-    ------
-    RuntimeError
-        The compiled CPU kernel is not available here.
-    ValueError
-        ``threads`` is not a positive int.
+    ``threads`` (default ``torch.get_num_threads()``); ``force`` measures again even if verdicts exist. Returns the
+    file's content: ``problem``, ``build``, and under ``threads[str(threads)][op][pass]`` (``"forward"``,
+    ``"forward+backward"``) ``compiled_s``, ``torch_s``, ``torch_over_compiled`` and ``compiled_faster``.
+    Raises RuntimeError where the compiled CPU kernel is not available, ValueError for ``threads`` not a positive int.
     """
     if not cpu_kernel_available():
         raise RuntimeError(f"the CPU kernel is not available here ({build_info().get('error')})")

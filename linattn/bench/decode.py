@@ -63,7 +63,6 @@ def _pairs(batch: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int)
     x = torch.randn(batch, 1, heads * head_dim, generator=g, dtype=dtype)
     mixer_state = mixer(torch.randn(batch, 4, heads * head_dim, generator=g, dtype=dtype), return_state=True)[1]
     def compiled_step():
-        """One token through the compiled CPU loop: ``linear_attention`` on T = 1 from the state."""
         with use_backends("cpu"):
             return linear_attention(q[:, :, None], k[:, :, None], v[:, :, None], causal=True, initial_state=state,
                                     return_state=True)
@@ -99,19 +98,9 @@ def _round(fn, bare, calls: int) -> tuple[float, float]:
 def run_decode_benchmark(*, batch: int = 1, heads: int = 8, head_dim: int = 64, dtype: torch.dtype = torch.float32,
                          repeats: int = 21, calls: Optional[dict] = None, warmup: int = 20, seed: int = 0,
                          subjects: Sequence[str] = SUBJECTS) -> list[dict]:
-    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU.
-
-    Subjects: ``linear_attention_step``; ``compiled_step`` (the same token through the compiled CPU loop,
-    ``linear_attention`` on T = 1 from the state under ``use_backends("cpu")``; skipped with a row whose
-    ``status`` says why where the CPU kernel is not available or the dtype is not float32/float64); and
-    ``LinearMixer`` (one token of the default gated-delta layer). The first two share the bare update of
-    :func:`bare_linear_attention_step`, so their ratios compare directly.
-
-    Raises
-    ------
-    ValueError
-        An unknown subject.
-    """
+    """Time each subject and its bare update, interleaved, under ``torch.no_grad()`` on the CPU: ``linear_attention_step``,
+    ``compiled_step`` (``linear_attention`` on T = 1 from the state under ``use_backends("cpu")``; a row with a
+    ``status`` saying why where it cannot run) and ``LinearMixer``. Raises ValueError for an unknown subject."""
     from ..kernels.cpu import build_info, cpu_kernel_available
 
     for name in subjects:

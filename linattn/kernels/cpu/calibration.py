@@ -1,11 +1,5 @@
-"""Whether the compiled loops beat the PyTorch chunk forms on this machine: verdicts cached beside the library.
-
-A build of the library is fixed to one machine (its ``-march``), so its calibration is too: a JSON file
-next to the ``.so`` (same name, ``.calibration.json``) holds, per number of threads, each family's
-op's median times and whether the compiled loop was faster, forward and forward+backward.
-:func:`linattn.calibrate.calibrate_cpu_kernels` measures and writes them; :mod:`linattn.backends`
-reads them. This module only reads and writes the file.
-"""
+"""The compiled loops' calibration file: per thread count, op and pass, whether the loop beat the PyTorch chunk form;
+one JSON beside the ``.so`` (a build is fixed to one machine). :mod:`linattn.calibrate` measures, this module reads and writes."""
 from __future__ import annotations
 
 import json
