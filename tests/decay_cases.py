@@ -68,3 +68,14 @@ def loss_and_grads(out, S, leaves: dict, seed=1):
     names = [n for n, t in leaves.items() if t is not None and t.requires_grad]
     grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
     return {n: torch.zeros_like(leaves[n]) if d is None else d for n, d in zip(names, grads)}
+
+
+def assert_same_values_and_grads(out, S, ref_out, ref_S, leaves: dict, **tol):
+    """``out``, ``S`` and every leaf's gradient (:func:`loss_and_grads`) equal the reference call's; returns both
+    gradient dicts."""
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(S, ref_S, **tol)
+    grads, ref_grads = loss_and_grads(out, S, leaves), loss_and_grads(ref_out, ref_S, leaves)
+    for name in leaves:
+        torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=lambda m: f"d{name}: {m}")
+    return grads, ref_grads

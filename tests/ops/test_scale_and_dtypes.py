@@ -11,7 +11,7 @@ import torch
 
 import linattn
 
-from decay_cases import OPS, call, inputs, loss_and_grads
+from decay_cases import OPS, call, inputs, assert_same_values_and_grads, loss_and_grads
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
@@ -24,11 +24,7 @@ def test_scale_equals_the_unscaled_call_with_q_premultiplied(op, feature_map, me
     s = 0.37
     out, S = call(op, x, scale=s, feature_map=feature_map, method=method, chunk_size=8)
     ref_out, ref_S = call(op, x, q=x["q"] * s, feature_map=feature_map, method=method, chunk_size=8)
-    torch.testing.assert_close(out, ref_out, **TIGHT)
-    torch.testing.assert_close(S, ref_S, **TIGHT)
-    grads, ref_grads = loss_and_grads(out, S, x), loss_and_grads(ref_out, ref_S, x)
-    for name in x:
-        torch.testing.assert_close(grads[name], ref_grads[name], **TIGHT, msg=lambda m: f"d{name}: {m}")
+    grads, ref_grads = assert_same_values_and_grads(out, S, ref_out, ref_S, x, **TIGHT)
 
 
 @pytest.mark.parametrize("op", OPS)

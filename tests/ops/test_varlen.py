@@ -15,7 +15,7 @@ from linattn.kernels import cpu
 from linattn.ops import varlen
 from linattn.ops.varlen import CPU_PADDING_FACTOR, PADDING_FACTOR, Packing
 
-from decay_cases import OPS, PER_TOKEN, call, inputs, loss_and_grads
+from decay_cases import OPS, PER_TOKEN, call, inputs, assert_same_values_and_grads
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 LENGTHS = {
@@ -56,11 +56,7 @@ def test_a_packed_batch_equals_one_call_per_sequence(op, lengths, method, chunk_
     x = inputs(op, B=1, H=2, r=r, T=sum(lengths), states=len(lengths))
     out, S = call(op, x, cu_seqlens=_offsets(lengths), method=method, chunk_size=chunk_size)
     ref_out, ref_S = _per_sequence(op, x, lengths, with_state=True)
-    torch.testing.assert_close(out, ref_out, **TIGHT)
-    torch.testing.assert_close(S, ref_S, **TIGHT)
-    grads, ref_grads = loss_and_grads(out, S, x), loss_and_grads(ref_out, ref_S, x)
-    for name in x:
-        torch.testing.assert_close(grads[name], ref_grads[name], **TIGHT, msg=lambda m: f"d{name}: {m}")
+    grads, ref_grads = assert_same_values_and_grads(out, S, ref_out, ref_S, x, **TIGHT)
 
 
 @pytest.mark.parametrize("op", OPS)
