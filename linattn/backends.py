@@ -36,17 +36,33 @@ _calibrator: list = [None]                # measures the compiled loops (linattn
 _triton_failure: list[str] = []           # why the Triton kernel failed in this process (then never again)
 
 
+_ENV_CHOICES = {"LINATTN_DISABLE_TRITON": ("0", "1"), "LINATTN_CPU_KERNEL": ("0", "1", "force")}
+_env_warned: set = set()
+
+
+def _env(name: str) -> str:
+    """The variable's value; an unrecognised one warns once and counts as ``0``."""
+    value = os.environ.get(name, "0").strip() or "0"
+    if value in _ENV_CHOICES[name]:
+        return value
+    if (name, value) not in _env_warned:
+        _env_warned.add((name, value))
+        warnings.warn(f"{name}={value!r} is not one of {', '.join(_ENV_CHOICES[name])}; treated as 0",
+                      RuntimeWarning, stacklevel=3)
+    return "0"
+
+
 def default_backends() -> tuple[str, ...]:
     """The order outside :func:`use_backends`, from ``LINATTN_DISABLE_TRITON`` and ``LINATTN_CPU_KERNEL``
     (``1``: the compiled CPU loops where the calibration found them faster; ``force``: wherever they run)."""
-    names = [] if os.environ.get("LINATTN_DISABLE_TRITON", "0") == "1" else ["triton"]
-    if os.environ.get("LINATTN_CPU_KERNEL", "0") in ("1", "force"):
+    names = [] if _env("LINATTN_DISABLE_TRITON") == "1" else ["triton"]
+    if _env("LINATTN_CPU_KERNEL") in ("1", "force"):
         names.append("cpu")
     return (*names, "torch")
 
 
 def _default_calibrated() -> bool:
-    return os.environ.get("LINATTN_CPU_KERNEL", "0") != "force"
+    return _env("LINATTN_CPU_KERNEL") != "force"
 
 
 def enabled_backends() -> tuple[str, ...]:

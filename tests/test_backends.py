@@ -31,6 +31,20 @@ def test_the_default_order_comes_from_the_environment(cpu_kernel, no_triton, exp
     assert backends.enabled_backends() == expected
 
 
+@pytest.mark.parametrize("name, value", [("LINATTN_CPU_KERNEL", "true"), ("LINATTN_CPU_KERNEL", "yes"),
+                                         ("LINATTN_DISABLE_TRITON", "on")])
+def test_an_unrecognised_environment_value_warns_and_counts_as_0(name, value, monkeypatch):
+    monkeypatch.setattr(backends, "_env_warned", set())
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    monkeypatch.delenv("LINATTN_DISABLE_TRITON", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.warns(RuntimeWarning, match=f"{name}='{value}' is not one of"):
+        assert backends.default_backends() == ("triton", "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # once per value, not on every call
+        backends.default_backends()
+
+
 def test_use_backends_pins_an_order_and_nests(monkeypatch):
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
     with backends.use_backends("torch") as order:

@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .run import ratio
+from ..kernels import cpu
 from .timing import cpu_name
 
 __all__ = ["format_table", "format_decay_table", "plot_results", "machine_info", "NOISY"]
@@ -291,7 +292,7 @@ def machine_info(device: Union[torch.device, str]) -> dict:
         "cpu_capability": _cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cpu_kernel": os.environ.get("LINATTN_CPU_KERNEL", "0") in ("1", "force"),
+        "cpu_kernel": cpu.cpu_kernel_enabled(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(),

@@ -28,7 +28,7 @@ _state: dict = {}          # "lib": the loaded library, "info": how it was built
 
 def cpu_kernel_enabled() -> bool:
     """Whether ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) asks the chunk methods to use this path."""
-    return os.environ.get("LINATTN_CPU_KERNEL", "0") in ("1", "force")
+    return os.environ.get("LINATTN_CPU_KERNEL", "0").strip() in ("1", "force")
 
 
 def cpu_kernel_available() -> bool:
