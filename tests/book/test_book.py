@@ -325,7 +325,8 @@ def test_chapter_opens_with_goals_and_prerequisites(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=NB_IDS)
 def test_chapter_ends_with_summary_and_exercises(path):
-    """The last sections are a summary and then exercises, whose solutions are collapsed code cells.
+    """The last sections are a summary and then exercises, whose solutions are folded: code cells with input and
+    output collapsed, prose in a dropdown.
 
     An appendix (measurements in full, no new material to practise) may end with its summary and
     leave the exercises out; if it has exercises, they follow the same rules as a chapter's."""
@@ -350,8 +351,11 @@ def test_chapter_ends_with_summary_and_exercises(path):
     solutions = [(i, c.get("metadata", {}).get("tags", [])) for i, c in enumerate(cells[start + 1:], start + 1)
                  if c["cell_type"] == "code"]
     assert solutions, f"{_rel(path)}: the exercises have no solution cells"
-    open_ = [i for i, tags in solutions if "hide-input" not in tags]
-    assert not open_, f"{_rel(path)}: solution cells {open_} are not tagged 'hide-input'"
+    open_ = [i for i, tags in solutions if not {"hide-input", "hide-output"} <= set(tags)]
+    assert not open_, f"{_rel(path)}: solution cells {open_} are not tagged 'hide-input' and 'hide-output'"
+    shown = [i for i, c in enumerate(cells[start + 1:], start + 1) if c["cell_type"] == "markdown"
+             and re.match(r"\*\*Solution \d+\.?\*\*\.?\s*\S", _source(c))]
+    assert not shown, f"{_rel(path)}: solution text in cells {shown} is not folded (a ':::{{dropdown}} Solution N')"
 
 
 def test_how_to_run_page_comes_first_and_is_linked_from_the_index():
