@@ -40,9 +40,12 @@ _ENV_CHOICES = {"LINATTN_DISABLE_TRITON": ("0", "1"), "LINATTN_CPU_KERNEL": ("0"
 _env_warned: set = set()
 
 
+_ENV_DEFAULTS = {"LINATTN_DISABLE_TRITON": "0", "LINATTN_CPU_KERNEL": "1"}
+
+
 def _env(name: str) -> str:
-    """The variable's value; an unrecognised one warns once and counts as ``0``."""
-    value = os.environ.get(name, "0").strip() or "0"
+    """The variable's value (unset or empty: its default); an unrecognised one warns once and counts as ``0``."""
+    value = os.environ.get(name, "").strip() or _ENV_DEFAULTS[name]
     if value in _ENV_CHOICES[name]:
         return value
     if (name, value) not in _env_warned:
@@ -54,7 +57,8 @@ def _env(name: str) -> str:
 
 def default_backends() -> tuple[str, ...]:
     """The order outside :func:`use_backends`, from ``LINATTN_DISABLE_TRITON`` and ``LINATTN_CPU_KERNEL``
-    (``1``: the compiled CPU loops where the calibration found them faster; ``force``: wherever they run)."""
+    (``1``, the default: the compiled CPU loops where the calibration found them faster; ``force``: wherever
+    they run; ``0``: never)."""
     names = [] if _env("LINATTN_DISABLE_TRITON") == "1" else ["triton"]
     if _env("LINATTN_CPU_KERNEL") in ("1", "force"):
         names.append("cpu")
@@ -181,8 +185,8 @@ def _why_not_cpu(op: str, tensors, pinned: bool) -> Optional[str]:
     if op != "linear_attention" and not cpu.token_loop_supports(tensors[2]):
         return "values wider than the token loop's rows (1 KiB: Dv <= 256 float32, <= 128 float64)"
     if not cpu.cpu_kernel_available():
-        if not pinned:
-            cpu.warn_unavailable_once()
+        if not pinned and os.environ.get("LINATTN_CPU_KERNEL", "").strip() in ("1", "force"):
+            cpu.warn_unavailable_once()              # asked for by name; the default falls back quietly
         return f"not available here ({cpu.build_info().get('error')})"
     return None
 

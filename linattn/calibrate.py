@@ -1,6 +1,6 @@
 """Calibrating the compiled CPU loops against the PyTorch chunk forms on this machine (``python -m linattn.calibrate``);
-the verdicts are cached beside the built library (:mod:`linattn.kernels.cpu.calibration`) and ``LINATTN_CPU_KERNEL=1``
-follows them (``force``: the loops run regardless)."""
+the verdicts are cached beside the built library (:mod:`linattn.kernels.cpu.calibration`) and the default
+(``LINATTN_CPU_KERNEL=1``) follows them (``force``: the loops run regardless; ``0``: never)."""
 from __future__ import annotations
 
 import statistics

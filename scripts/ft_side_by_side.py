@@ -146,9 +146,10 @@ def main(argv=None) -> int:
     p.add_argument("--build-dir", type=pathlib.Path, default=None, help="default: a temporary folder")
     p.add_argument("--out", type=pathlib.Path, required=True, help="the results file (JSON)")
     a = p.parse_args(argv)
-    if os.environ.pop("LINATTN_CPU_KERNEL", None) is not None:       # chunk is the default path, as a reader runs it
-        print("LINATTN_CPU_KERNEL ignored: chunk times the default PyTorch path, chunk_cpu the compiled loop",
+    if os.environ.get("LINATTN_CPU_KERNEL", "0").strip() != "0":
+        print("LINATTN_CPU_KERNEL ignored: chunk times the PyTorch chunk form, chunk_cpu the compiled loop",
               file=sys.stderr)
+    os.environ["LINATTN_CPU_KERNEL"] = "0"      # chunk: the PyTorch chunk form (the default runs chunk_cpu's loop)
     a.peer_flags = [flag for flags in a.peer_flags for flag in flags.split()]
     if min(a.threads) < 1 or min(a.seq_lens) < 1 or a.repeats < 1:
         p.error("--threads, --seq-lens and --repeats take positive integers")

@@ -19,8 +19,8 @@ def _qkv(T=20, D=4, seed=0, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("cpu_kernel, no_triton, expected", [
-    (None, None, ("triton", "torch")), ("1", None, ("triton", "cpu", "torch")),
-    ("1", "1", ("cpu", "torch")), ("0", "1", ("torch",))])
+    (None, None, ("triton", "cpu", "torch")), ("", None, ("triton", "cpu", "torch")), ("0", None, ("triton", "torch")),
+    ("1", None, ("triton", "cpu", "torch")), ("1", "1", ("cpu", "torch")), ("0", "1", ("torch",))])
 def test_the_default_order_comes_from_the_environment(cpu_kernel, no_triton, expected, monkeypatch):
     for name, value in (("LINATTN_CPU_KERNEL", cpu_kernel), ("LINATTN_DISABLE_TRITON", no_triton)):
         if value is None:
@@ -31,15 +31,16 @@ def test_the_default_order_comes_from_the_environment(cpu_kernel, no_triton, exp
     assert backends.enabled_backends() == expected
 
 
-@pytest.mark.parametrize("name, value", [("LINATTN_CPU_KERNEL", "true"), ("LINATTN_CPU_KERNEL", "yes"),
-                                         ("LINATTN_DISABLE_TRITON", "on")])
-def test_an_unrecognised_environment_value_warns_and_counts_as_0(name, value, monkeypatch):
+@pytest.mark.parametrize("name, value, expected", [("LINATTN_CPU_KERNEL", "true", ("triton", "torch")),
+                                                   ("LINATTN_CPU_KERNEL", "yes", ("triton", "torch")),
+                                                   ("LINATTN_DISABLE_TRITON", "on", ("triton", "cpu", "torch"))])
+def test_an_unrecognised_environment_value_warns_and_counts_as_0(name, value, expected, monkeypatch):
     monkeypatch.setattr(backends, "_env_warned", set())
     monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
     monkeypatch.delenv("LINATTN_DISABLE_TRITON", raising=False)
     monkeypatch.setenv(name, value)
     with pytest.warns(RuntimeWarning, match=f"{name}='{value}' is not one of"):
-        assert backends.default_backends() == ("triton", "torch")
+        assert backends.default_backends() == expected
     with warnings.catch_warnings():
         warnings.simplefilter("error")                    # once per value, not on every call
         backends.default_backends()
@@ -67,8 +68,8 @@ def test_use_backends_refuses_unknown_names():
             pass
 
 
-def test_last_backend_names_the_torch_path_by_default(monkeypatch):
-    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+def test_last_backend_names_the_torch_path_when_the_compiled_loops_are_off(monkeypatch):
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
     q, k, v = _qkv()
     linattn.linear_attention(q, k, v, causal=True)
     assert backends.last_backend() == "torch"
@@ -149,5 +150,6 @@ def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):
     from linattn import backends
 
     monkeypatch.setenv("LINATTN_DISABLE_TRITON", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
     assert "triton" not in backends.default_backends()
     assert backends.select("linear_attention", torch.zeros(1, 1, 4, 4), chunk_size=16) == "torch"

@@ -37,6 +37,20 @@ def _qkv(grad, T=24):
 
 
 @needs_kernel
+def test_by_default_the_compiled_loop_runs_exactly_where_it_was_calibrated_faster(own_calibration, monkeypatch):
+    own_calibration({(op, p): op == "linear_attention" for op in backends.OPS for p in calibration.PASSES})
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    q, k, v = _qkv(grad=True)
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "cpu"                            # calibrated faster: the default runs it
+    linattn.delta_rule(q, F.normalize(k, dim=-1), v, torch.rand(1, 2, 24))
+    assert backends.last_backend() == "torch"                          # calibrated slower: the PyTorch form
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")                      # off: never
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "torch"
+
+
+@needs_kernel
 def test_a_loop_calibrated_slower_gives_way_to_the_pytorch_form_and_says_why(own_calibration, monkeypatch):
     # linear attention: compiled faster forward only; every other op faster in both passes
     own_calibration({(op, p): not (op == "linear_attention" and p == "forward+backward")
@@ -111,10 +125,26 @@ def test_force_puts_the_compiled_loops_in_the_default_order(monkeypatch):
 
 
 @needs_kernel
-def test_the_decay_bench_times_the_compiled_loops_even_where_calibrated_slower(own_calibration, monkeypatch):
+def test_the_decay_bench_times_the_pytorch_forms_by_default_even_where_the_loops_were_faster(own_calibration,
+                                                                                           monkeypatch):
+    from linattn.bench import run_decay_benchmark
+    own_calibration({(op, p): True for op in backends.OPS for p in calibration.PASSES})
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    ran = []
+    real_select = backends.select
+    monkeypatch.setattr(backends, "select", lambda *a, **kw: ran.append(real_select(*a, **kw)) or ran[-1])
+    rows = run_decay_benchmark(seq_lens=[32], variants=["delta"], batch=1, heads=1, head_dim=8, chunk_size=16,
+                               repeats=1, warmup=0, recurrent=False)
+    assert not any(r["cpu_kernel"] for r in rows)
+    assert ran and set(ran) == {"torch"}                               # the study compares the PyTorch forms
+
+
+@needs_kernel
+def test_with_force_the_decay_bench_times_the_compiled_loops_even_where_calibrated_slower(own_calibration,
+                                                                                         monkeypatch):
     from linattn.bench import run_decay_benchmark
     own_calibration({(op, p): False for op in backends.OPS for p in calibration.PASSES})
-    monkeypatch.setenv("LINATTN_CPU_KERNEL", "1")
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     ran = []
     real_select = backends.select
     monkeypatch.setattr(backends, "select", lambda *a, **kw: ran.append(real_select(*a, **kw)) or ran[-1])

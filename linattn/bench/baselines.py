@@ -15,11 +15,12 @@ from ..feature_maps import elu_plus_one
 __all__ = ["METHODS", "DEFAULT_METHODS", "LINEAR_METHODS", "cumsum_linear_attention",
            "baseline_chunk_linear_attention", "compiled_baseline_linear_attention", "method_fn", "unavailable"]
 
-METHODS = ("sdpa", "quadratic", "cumsum", "baseline_chunk", "compiled_baseline", "chunk", "chunk_cpu", "fused")
-DEFAULT_METHODS = ("sdpa", "quadratic", "cumsum", "baseline_chunk", "chunk", "chunk_cpu", "fused")
+METHODS = ("sdpa", "quadratic", "cumsum", "baseline_chunk", "compiled_baseline", "chunk", "chunk_torch", "chunk_cpu",
+           "fused")
+DEFAULT_METHODS = ("sdpa", "quadratic", "cumsum", "baseline_chunk", "chunk", "chunk_torch", "chunk_cpu", "fused")
 """What ``python -m linattn.bench`` runs without ``--methods``: all but ``compiled_baseline``,
 whose compilation takes tens of seconds per sequence length."""
-LINEAR_METHODS = ("cumsum", "baseline_chunk", "compiled_baseline", "chunk", "chunk_cpu", "fused")
+LINEAR_METHODS = ("cumsum", "baseline_chunk", "compiled_baseline", "chunk", "chunk_torch", "chunk_cpu", "fused")
 """The methods credited with the chunkwise form's useful-work FLOP count (see ``forward_flops``)."""
 DEFAULT_CHUNK_SIZE = 64
 
@@ -140,12 +141,22 @@ def compiled_baseline_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk
 
 
 def _chunk_cpu_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
-    """What ``LINATTN_CPU_KERNEL=1`` runs: the compiled CPU kernel (elu+1 inside it) where its calibration found
+    """What the default (``LINATTN_CPU_KERNEL=1``) runs: the compiled CPU kernel (elu+1 inside it) where its calibration found
     it faster than the PyTorch chunk form, else that form (:func:`linattn.backends.last_backend` says which)."""
     from ..attention import linear_attention
     from ..backends import use_backends
 
     with use_backends("cpu", "torch", calibrated=True):
+        return linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size, eps=eps)
+
+
+def _chunk_torch_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
+    """linattn's PyTorch chunk form, pinned (``use_backends("torch")``): what ``chunk`` runs where no compiled
+    kernel is chosen."""
+    from ..attention import linear_attention
+    from ..backends import use_backends
+
+    with use_backends("torch"):
         return linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size, eps=eps)
 
 
@@ -161,6 +172,8 @@ def method_fn(method: str, chunk_size: int) -> Callable[[Tensor, Tensor, Tensor]
         return lambda q, k, v: baseline_chunk_linear_attention(q, k, v, chunk_size=chunk_size)
     if method == "compiled_baseline":
         return lambda q, k, v: compiled_baseline_linear_attention(q, k, v, chunk_size=chunk_size)
+    if method == "chunk_torch":
+        return lambda q, k, v: _chunk_torch_linear_attention(q, k, v, chunk_size=chunk_size)
     if method == "chunk_cpu":
         return lambda q, k, v: _chunk_cpu_linear_attention(q, k, v, chunk_size=chunk_size)
     if method == "fused":

@@ -61,6 +61,7 @@ def predict_memory(method: str, seq_len: int, *, batch: int, heads: int, head_di
         cumsum          4.25·L·D²  + 3·L·(2D + 1)              ((B, H, T, M, Dv) sums, gradients)
         baseline_chunk  2·Lc·C + (2N + 8)·B·H·D(D + 1) + 4·Lc·(2D + 1)
         chunk           as baseline_chunk + L·D                (and the feature map's temporary)
+        chunk_torch     as chunk
         compiled_baseline  as baseline_chunk
         chunk_cpu       (2N + 8)·B·H·D(D + 1) + 4·Lc·(2D + 1) + L·D
         fused           (2N + 8)·B·H·D(D + 1) + 4·Lc·(2D + 1)
@@ -94,6 +95,7 @@ def predict_memory(method: str, seq_len: int, *, batch: int, heads: int, head_di
         "cumsum": 4.25 * L * D * D * size_acc + features,
         "baseline_chunk": 2 * L_chunks * C * size_acc + states + chunk_features,
         "chunk": 2 * L_chunks * C * size_acc + states + chunk_features + L * D * size_acc,
+        "chunk_torch": 2 * L_chunks * C * size_acc + states + chunk_features + L * D * size_acc,
         "compiled_baseline": 2 * L_chunks * C * size_acc + states + chunk_features,
         "chunk_cpu": states + chunk_features + L * D * size_acc,
         "fused": states + chunk_features,

@@ -208,7 +208,7 @@ def format_decay_table(results: Sequence[dict]) -> str:
     title = (f"linattn decay family on {first['device']} ({where}){', ' + threads if threads else ''}, "
              f"{first['dtype']}, B={first['batch']} H={first['heads']} D=Dv={first['head_dim']}{_gates_text(results)}, "
              f"{chunk_text}: chunk{' vs recurrent' if loops else ' forms'}"
-             f"{' (LINATTN_CPU_KERNEL=1: compiled CPU loops)' if any(r.get('cpu_kernel') for r in results) else ''}")
+             f"{' (LINATTN_CPU_KERNEL=force: compiled CPU loops)' if any(r.get('cpu_kernel') for r in results) else ''}")
     legend = ("fwd: median under torch.no_grad; f+b: autograd.grad w.r.t. q, k, v; ±: half the range of the "
               "repetitions over the median")
     if loops:

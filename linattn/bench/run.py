@@ -93,7 +93,9 @@ def run_benchmark(
         ``fwd_bwd_spread`` (``(max − min) / median``), ``peak_memory_bytes``, ``memory_pass``,
         ``predicted_memory_bytes``, ``max_memory_bytes`` (None: no guard), ``fwd_flops``,
         ``fwd_gflops``, ``matmul_gflops`` (median of this T's rounds), ``matmul_spread`` and
-        ``matmul_fraction``. Numbers that were not measured are None.
+        ``matmul_fraction``, ``backends`` (for ``chunk``, ``chunk_torch`` and ``chunk_cpu``: the backend that
+        ran each pass, ``{"fwd": ..., "fwd+bwd": ...}``, e.g. ``"cpu"`` for the compiled loop; None for the
+        others). Numbers that were not measured are None.
 
     Raises
     ------
@@ -152,7 +154,7 @@ def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeat
                        predicted_memory_bytes=predict_memory(counted, T, dtype=dtype, **costed),
                        max_memory_bytes=None if math.isinf(max_bytes) else int(max_bytes),
                        fwd_flops=forward_flops(counted, T, **costed), fwd_gflops=None, matmul_gflops=None,
-                       matmul_spread=None, matmul_fraction=None)
+                       matmul_spread=None, matmul_fraction=None, backends=None)
             rows[name] = row
             why_not = None if name in peers else unavailable(name, device, chunk_size, dtype)
             if why_not is not None:
@@ -164,8 +166,15 @@ def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeat
                 continue
             fn = peers[name] if name in peers else method_fn(name, chunk_size)
             fwd[name], fwd_bwd[name] = _passes(fn, (q, k, v), grad_out)
-            if name == "chunk_cpu":
-                row["note"] = _what_ran(fwd[name], fwd_bwd[name] if backward else None)
+            if name in ("chunk", "chunk_torch", "chunk_cpu"):
+                try:
+                    row["backends"] = _what_ran(fwd[name], fwd_bwd[name] if backward else None)
+                except Exception:  # noqa: BLE001 - the timed rounds below report the failure
+                    row["backends"] = {}
+                slower = [label for label, ran in row["backends"].items() if ran != "cpu"]
+                if name == "chunk_cpu" and slower:
+                    row["note"] = (f"the compiled loop was calibrated slower here for {' and '.join(slower)}: "
+                                   "these times are the PyTorch chunk form's")
 
         def failed(name: str, err: BaseException) -> None:
             message = str(err).strip().splitlines()
@@ -217,9 +226,9 @@ def _run(methods, peers, seq_lens, device, dtype, batch, heads, head_dim, repeat
     return results
 
 
-def _what_ran(forward: Callable, forward_backward: Optional[Callable]) -> str:
-    """A note when a pass of ``chunk_cpu`` runs the PyTorch chunk form (the calibration found the compiled
-    loop slower here), else ""; the calls double as warm-up."""
+def _what_ran(forward: Callable, forward_backward: Optional[Callable]) -> dict:
+    """The backend (:func:`linattn.backends.last_backend`) that ran each pass, ``{"fwd": ..., "fwd+bwd": ...}``;
+    the calls double as warm-up."""
     from ..backends import last_backend
 
     ran = {}
@@ -227,17 +236,15 @@ def _what_ran(forward: Callable, forward_backward: Optional[Callable]) -> str:
         if call is not None:
             call()
             ran[label] = last_backend()
-    slower = [label for label, backend in ran.items() if backend != "cpu"]
-    return (f"the compiled loop was calibrated slower here for {' and '.join(slower)}: "
-            "these times are the PyTorch chunk form's") if slower else ""
+    return ran
 
 
-def _on_compiled_loops(fn: Callable) -> Callable:
-    """``fn`` run with the compiled CPU loops first (``use_backends("cpu", "torch")``: no calibration veto)."""
+def _pinned(fn: Callable, order: tuple[str, ...]) -> Callable:
+    """``fn`` run under ``use_backends(*order)`` (no calibration veto)."""
     from ..backends import use_backends
 
     def call(*args):
-        with use_backends("cpu", "torch"):
+        with use_backends(*order):
             return fn(*args)
     return call
 
@@ -434,8 +441,9 @@ def run_decay_benchmark(
         ``fwd_spread`` and ``fwd_bwd_spread`` (``(max − min) / median``; None when not measured),
         ``fwd_minor_faults`` and ``fwd_bwd_minor_faults`` (the minor page faults of each timed
         call, :func:`linattn.bench.timing.interleaved_times`; None on CUDA or without ``resource``),
-        ``cpu_kernel`` (True when ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) had the chunk forms run the
-        compiled loops of :mod:`linattn.kernels.cpu` wherever they can, whatever their calibration says),
+        ``cpu_kernel`` (True when ``LINATTN_CPU_KERNEL=force`` had the chunk forms run the compiled loops of
+        :mod:`linattn.kernels.cpu` wherever they can; otherwise they run the PyTorch chunk forms, whatever the
+        calibration says),
         ``peer`` (what a peer's row times, None for linattn's).
 
     Raises
@@ -497,7 +505,9 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                  "gated_delta_channel": gated_delta.gated_delta_rule}
     from ..kernels import cpu
 
-    compiled = device.type == "cpu" and cpu.cpu_kernel_enabled() and cpu.cpu_kernel_available()
+    # the PyTorch chunk forms (what the study compares), or with LINATTN_CPU_KERNEL=force the compiled loops
+    compiled = (device.type == "cpu" and os.environ.get("LINATTN_CPU_KERNEL", "").strip() == "force"
+                and cpu.cpu_kernel_available())
     peer = transformers_gated_delta() if peers and "gated_delta" in variants else None
     results = []
     for T in tqdm(seq_lens, disable=not progress, unit="T", desc="linattn.bench --decay", file=sys.stderr):
@@ -523,8 +533,7 @@ def _time_decay(seq_lens, variants, device, dtype, batch, heads, head_dim, chunk
                           lambda q, k, v, f=functions[variant], e=extra: f(q, k, v, *e, method="recurrent")))
         for variant, method, C, qkv, fn in calls:
             key = f"{variant}/{method}/{C}"
-            if compiled:            # the compiled loops wherever they run, not only where the calibration chose them
-                fn = _on_compiled_loops(fn)
+            fn = _pinned(fn, ("cpu", "torch") if compiled else ("torch",))
             fwd[key], fwd_bwd[key] = _passes(fn, qkv, grad_out)
             cells.append(dict(variant=variant, method=method, seq_len=T, batch=batch, heads=heads,
                               head_dim=head_dim, chunk_size=C, effective_chunk_size=min(C, T),

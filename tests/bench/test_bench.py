@@ -26,6 +26,7 @@ ROW_KEYS = {
     "fwd_flops", "fwd_gflops", "matmul_gflops", "matmul_fraction",
     # interleaved repetitions: every repetition, their spread, the yardstick's spread, threads, CPU/GPU
     "fwd_times", "fwd_bwd_times", "fwd_spread", "fwd_bwd_spread", "matmul_spread", "threads", "device_name",
+    "backends",     # which backend ran each pass of linattn's chunk methods
 }
 MEASURED = ("fwd_s", "fwd_bwd_s", "peak_memory_bytes", "fwd_gflops", "matmul_fraction")
 
@@ -73,6 +74,12 @@ def test_cli_end_to_end_writes_json_table_and_plot(tmp_path):
         assert set(r) == ROW_KEYS
         expected = "unavailable" if r["method"] in unavailable_here else "ok"   # no CUDA in a CPU run
         assert r["status"] == expected, r["note"]
+        if r["method"] == "chunk_torch":
+            assert r["backends"] == {"fwd": "torch", "fwd+bwd": "torch"}      # pinned to the PyTorch chunk form
+        elif r["method"] == "chunk":
+            assert set(r["backends"]) == {"fwd", "fwd+bwd"} and set(r["backends"].values()) <= {"cpu", "torch"}
+        elif r["method"] not in ("chunk_cpu",):
+            assert r["backends"] is None
         assert r["fwd_flops"] > 0 and r["predicted_memory_bytes"] > 0
         if expected == "ok":
             assert all(r[key] > 0 for key in MEASURED), r

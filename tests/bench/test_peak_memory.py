@@ -20,8 +20,12 @@ def _forms():
         z = torch.cumsum(phi_k, dim=2)                                          # (B, H, T, M)
         return (phi_q.unsqueeze(-2) @ S).squeeze(-2) / (phi_q * z).sum(-1, keepdim=True)
 
+    def chunk(q, k, v):                         # chapter 5's PyTorch chunk form (the compiled loop has thread buffers)
+        with linattn.backends.use_backends("torch"):
+            return linattn.linear_attention(q, k, v, causal=True, chunk_size=64)
+
     return {
-        "chunk": lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, chunk_size=64),
+        "chunk": chunk,
         "quadratic": lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, method="quadratic"),
         "cumsum": cumsum,
     }

@@ -188,9 +188,9 @@ def test_bad_inputs_are_refused():
 
 
 @needs_kernel
-def test_linear_attention_uses_the_kernel_only_when_asked(monkeypatch):
+def test_linear_attention_uses_the_kernel_unless_turned_off(monkeypatch):
     q, k, v = _qkv(1, 2, 33, 8, 8, dtype=torch.float32)
-    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
     assert "Cpu" not in type(linattn.linear_attention(q, k, v, causal=True).grad_fn).__name__
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
     y, state = linattn.linear_attention(q, k, v, causal=True, return_state=True)
@@ -242,6 +242,20 @@ def test_without_a_compiler_the_pytorch_path_runs_with_one_warning(monkeypatch, 
     torch.testing.assert_close(y.double(), ref_linear_attention(q, k, v, causal=True)[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="not available"):
         cpu.causal_linear_attention_cpu(q, k, v)
+
+
+def test_without_a_compiler_the_default_runs_the_pytorch_path_quietly(monkeypatch, tmp_path):
+    """The compiled loops are on by default; where they cannot be built, the default says nothing."""
+    monkeypatch.setattr(cpu_runtime, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LINATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    q, k, v = _qkv(1, 1, 10, 4, 4, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = linattn.linear_attention(q, k, v, causal=True)
+    assert linattn.backends.last_backend() == "torch"
+    torch.testing.assert_close(y.double(), ref_linear_attention(q, k, v, causal=True)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path):

@@ -27,8 +27,9 @@ _lock = threading.Lock()
 _state: dict = {}          # "lib": the loaded library, "info": how it was built, "error": why not
 
 def cpu_kernel_enabled() -> bool:
-    """Whether ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) asks the chunk methods to use this path."""
-    return os.environ.get("LINATTN_CPU_KERNEL", "0").strip() in ("1", "force")
+    """Whether ``LINATTN_CPU_KERNEL`` (``1``, the default when unset or empty, or ``force``) lets the chunk
+    methods use this path."""
+    return (os.environ.get("LINATTN_CPU_KERNEL", "").strip() or "1") in ("1", "force")
 
 
 def cpu_kernel_available() -> bool:
@@ -183,10 +184,12 @@ def _pad_to_vector(x: Tensor) -> Tensor:
 
 
 def warn_unavailable_once() -> None:
-    """A RuntimeWarning, once per process, when ``LINATTN_CPU_KERNEL=1`` asks for an unavailable kernel."""
+    """A RuntimeWarning, once per process, when ``LINATTN_CPU_KERNEL`` (``1`` or ``force``) names an unavailable
+    kernel."""
     if not _state.get("warned"):
         _state["warned"] = True
-        warnings.warn(f"LINATTN_CPU_KERNEL=1 but the linattn CPU kernel is not available "
+        value = os.environ.get("LINATTN_CPU_KERNEL", "").strip()
+        warnings.warn(f"LINATTN_CPU_KERNEL={value} but the linattn CPU kernel is not available "
                       f"({_state.get('error')}); using the PyTorch path", RuntimeWarning, stacklevel=5)
 
 
