@@ -32,6 +32,7 @@ class _PerThread(threading.local):
 
 
 _state = _PerThread()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)   # tensors whose memory the compiled loops may read
 _calibrator: list = [None]                # measures the compiled loops (linattn.calibrate, set on import)
 _triton_failure: list[str] = []           # why the Triton kernel failed in this process (then never again)
 
@@ -180,6 +181,8 @@ def _why_not_cpu(op: str, tensors, pinned: bool) -> Optional[str]:
         return "grouped value heads (v has more heads than q and k)"
     if autograd_must_see_every_op(*tensors):
         return "autograd must see every op (torch.compile, torch.func transforms, forward-mode AD)"
+    if torch._C._len_torch_dispatch_stack() or any(t is not None and type(t) not in _PLAIN for t in tensors):
+        return "a dispatch mode or tensor subclass must see every op (FakeTensorMode, FlopCounterMode, ...)"
     from .kernels import cpu
 
     if op != "linear_attention" and not cpu.token_loop_supports(tensors[2]):

@@ -153,3 +153,22 @@ def test_fused_kernel_can_be_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("LINATTN_CPU_KERNEL", "0")
     assert "triton" not in backends.default_backends()
     assert backends.select("linear_attention", torch.zeros(1, 1, 4, 4), chunk_size=16) == "torch"
+
+
+@needs_kernel
+@pytest.mark.parametrize("cpu_kernel", ["1", "force"])
+def test_a_dispatch_mode_or_tensor_subclass_keeps_the_pytorch_path(cpu_kernel, monkeypatch):
+    """The compiled loops read raw memory: FlopCounterMode must count the chunk form's FLOPs, and fake
+    tensors (no memory at all) must get shapes, not a crash."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", cpu_kernel)
+    q, k, v = _qkv(T=64, D=8)
+    with FlopCounterMode(display=False) as counter:
+        linattn.linear_attention(q, k, v, causal=True, chunk_size=16)
+    assert backends.last_backend() == "torch" and counter.get_total_flops() > 0
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        assert linattn.delta_rule(fq, fk, fv, mode.from_tensor(torch.rand(1, 2, 64))).shape == (1, 2, 64, 8)
+    assert backends.last_backend() == "torch"
