@@ -256,8 +256,10 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
             and backends.select("linear_attention", q_acc, k, v, *_state_tensors(initial_state),
                                 chunk_size=chunk_size) == "cpu"):
-        return _cpu_chunk(q_acc, k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
+        done = _cpu_chunk(q_acc, k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
+        if done is not None:
+            return done
     phi_q, phi_k = _checks.apply_feature_map(phi, q_acc, k.to(acc))       # (B, H, T, M)
     v32 = v.to(acc)
     if attention_mask is not None:                                         # mask after φ; padded keys
@@ -279,7 +281,9 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
                 return out, (LinearAttentionState.from_augmented(S) if return_state else None)
             backends._record("torch")
         elif backend == "cpu":
-            return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
+            done = _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
+            if done is not None:
+                return done
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
             normalize=normalize, eps=eps, chunk_size=chunk_size)
@@ -322,7 +326,8 @@ def _packed(packing, q, k, v, phi, normalize, eps, method, chunk_size, initial_s
 
 
 def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
-    """The compiled CPU path (:mod:`linattn.kernels.cpu`): (output, state or None)."""
+    """The compiled CPU path (:mod:`linattn.kernels.cpu`): (output, state or None), or None where an input was
+    NaN/inf (then the PyTorch path, which keeps outputs and gradients causal around it, runs instead)."""
     from .kernels.cpu import causal_linear_attention_cpu
 
     if initial_state is not None:
@@ -331,6 +336,9 @@ def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, retur
     out, S, z = causal_linear_attention_cpu(
         q, k, v, None if state0 is None else state0.S, None if state0 is None else state0.z,
         normalize=normalize, eps=eps, chunk_size=chunk_size, feature_map=feature_map)
+    if not all_finite(S, z):                 # a NaN/inf key or value reaches the last state
+        backends._record("torch")
+        return None
     return out, (LinearAttentionState(S, z) if return_state else None)
 
 

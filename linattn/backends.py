@@ -11,8 +11,8 @@ import torch
 
 from ._autograd import autograd_must_see_every_op
 
-__all__ = ["BACKENDS", "OPS", "default_backends", "enabled_backends", "use_backends", "last_backend", "select",
-           "set_cpu_calibrator"]
+__all__ = ["BACKENDS", "OPS", "CALIBRATED_STATE", "default_backends", "enabled_backends", "use_backends",
+           "last_backend", "select", "set_cpu_calibrator"]
 
 BACKENDS = ("torch", "cpu", "triton")
 OPS = {                                   # the backends that implement each op's chunk method
@@ -36,6 +36,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)   # tensors whose memory the compile
 _calibrator: list = [None]                # measures the compiled loops (linattn.calibrate, set on import)
 _triton_failure: list[str] = []           # why the Triton kernel failed in this process (then never again)
 
+
+CALIBRATED_STATE = 64 * 64
+"""The largest state per head (key features × value width) the calibration's verdicts are applied to: its problem's
+(``D = Dv = 64``, float32). Wider states, and float64, take the PyTorch chunk form by default (the loops' state
+no longer fits their tiles); ``LINATTN_CPU_KERNEL=force`` or ``use_backends("cpu")`` still runs them."""
 
 _ENV_CHOICES = {"LINATTN_DISABLE_TRITON": ("0", "1"), "LINATTN_CPU_KERNEL": ("0", "1", "force")}
 _env_warned: set = set()
@@ -160,16 +165,22 @@ def _slower_here(op: str, tensors) -> Optional[str]:
     """Why the compiled loop of ``op`` does not run under the calibration, or None when it was the faster."""
     from .kernels.cpu import calibration
 
+    anyway = "LINATTN_CPU_KERNEL=force or use_backends('cpu') runs it anyway"
+    dtype, (k, v) = tensors[0].dtype, tensors[1:3]          # the computation's dtype: q's (half inputs: float32)
+    if dtype != torch.float32 or k.shape[-1] * v.shape[-1] > CALIBRATED_STATE:
+        return (f"outside what the calibration measured (float32, a state of at most {CALIBRATED_STATE} numbers "
+                f"per head), got {dtype} and {k.shape[-1]}x{v.shape[-1]}; {anyway}")
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     threads = torch.get_num_threads()
     faster = calibration.verdict(op, backward, threads)
     if faster is None and _calibrator[0] is not None:
         _calibrator[0](threads)                      # once per library and thread count, then cached
         faster = calibration.verdict(op, backward, threads)
+    if faster is None:
+        return f"not calibrated for {threads} thread(s) ({calibration.calibration_path()}); {anyway}"
     if faster is False:
         return (f"slower than the PyTorch chunk form on this machine ({calibration.PASSES[backward]}, "
-                f"{threads} thread(s); calibrated in {calibration.calibration_path()}; "
-                "LINATTN_CPU_KERNEL=force or use_backends('cpu') runs it anyway)")
+                f"{threads} thread(s); calibrated in {calibration.calibration_path()}; {anyway})")
     return None
 
 

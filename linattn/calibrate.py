@@ -3,6 +3,7 @@ the verdicts are cached beside the built library (:mod:`linattn.kernels.cpu.cali
 (``LINATTN_CPU_KERNEL=1``) follows them (``force``: the loops run regardless; ``0``: never)."""
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -23,6 +24,16 @@ __all__ = ["PROBLEM", "calibrate_cpu_kernels"]
 
 PROBLEM = dict(batch=1, heads=8, seq_len=512, head_dim=64, dtype="float32", rounds=5, seed=0)
 _lock = threading.Lock()
+
+
+def _fresh_lock() -> None:
+    """In a forked child: a fork while another thread held the lock (building, calibrating) must not hang it."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock)
 
 
 def _calls(p: dict) -> dict:
@@ -87,21 +98,47 @@ def calibrate_cpu_kernels(threads: Optional[int] = None, *, force: bool = False)
     threads = torch.get_num_threads() if threads is None else threads
     with _lock:
         have = calibration.load_calibration()
-        if not force and str(threads) in have.get("threads", {}):
-            return have
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:                   # inside the caller's no_grad or inference_mode, the backward passes need grad
-            with torch.inference_mode(False), torch.enable_grad():
-                clock = time.thread_time if threads == 1 else time.perf_counter
-                results = {op: {name: _time_pair(run, backward, PROBLEM["rounds"], clock)
-                                for name, backward in zip(calibration.PASSES, (False, True))}
-                           for op, run in _calls(PROBLEM).items()}
-        finally:
-            torch.set_num_threads(previous)
+        if not force and all(calibration.verdict(op, backward, threads) is not None
+                             for op in backends.OPS for backward in (False, True)):
+            return have                                  # every verdict there (a malformed entry: measure again)
+        results = _in_own_thread(lambda: _measure(threads))
         about = {"problem": PROBLEM, "build": {k: v for k, v in build_info().items() if k != "path"},
                  "torch": torch.__version__}
         return calibration.save_calibration(threads, results, about)
+
+
+def _measure(threads: int) -> dict:
+    """Every op's verdicts with ``threads`` threads: ``{op: {pass: record}}``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            clock = time.thread_time if threads == 1 else time.perf_counter
+            return {op: {name: _time_pair(run, backward, PROBLEM["rounds"], clock)
+                         for name, backward in zip(calibration.PASSES, (False, True))}
+                    for op, run in _calls(PROBLEM).items()}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _in_own_thread(fn):
+    """``fn()`` on a thread of its own, the caller waiting: a first call may calibrate inside the caller's
+    ``torch.utils.checkpoint`` or ``saved_tensors_hooks``, grad mode or autocast, which are thread-local and must
+    neither see nor shape the calibration's own passes."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=run, name="linattn-calibrate")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def main(argv=None) -> int:

@@ -172,3 +172,41 @@ def test_a_dispatch_mode_or_tensor_subclass_keeps_the_pytorch_path(cpu_kernel, m
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
         assert linattn.delta_rule(fq, fk, fv, mode.from_tensor(torch.rand(1, 2, 64))).shape == (1, 2, 64, 8)
     assert backends.last_backend() == "torch"
+
+
+@needs_kernel
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("bad", ["k", "v"])
+def test_a_nan_key_or_value_leaves_the_earlier_gradients_finite_on_every_backend(bad, normalize, monkeypatch):
+    """The compiled loop's normaliser backward spread a NaN value to every key's gradient; a NaN/inf
+    key or value makes the last state non-finite, and the PyTorch path (causal around it) runs instead."""
+    for env in ("0", "force"):
+        monkeypatch.setenv("LINATTN_CPU_KERNEL", env)
+        q, k, v = (x.requires_grad_() for x in _qkv(T=8, D=4, seed=1))
+        {"k": k, "v": v}[bad].data[0, 0, 6] = float("nan")
+        y = linattn.linear_attention(q, k, v, causal=True, normalize=normalize, chunk_size=4)
+        y[:, :, :6].sum().backward()
+        for t in (q, k, v):
+            assert t.grad[:, :, :6].isfinite().all(), (env, bad, normalize)
+        assert y[:, :, :6].isfinite().all() and y[:, 0, 6:].isnan().all()
+
+
+def test_a_fork_while_another_thread_holds_the_build_lock_does_not_hang_the_child():
+    import multiprocessing
+
+    from linattn import calibrate
+    from linattn.kernels.cpu import calibration, runtime
+
+    def child():
+        for module in (runtime, calibration, calibrate):
+            with module._lock:
+                pass
+
+    with runtime._lock, calibration._lock, calibrate._lock:           # as while another thread builds
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+    proc.join(60)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive and proc.exitcode == 0

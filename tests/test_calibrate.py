@@ -242,3 +242,69 @@ def test_use_backends_pins_only_the_calling_thread():
     release.set()
     t.join()
     assert seen == [backends.default_backends()]
+
+
+@needs_kernel
+def test_a_first_call_inside_checkpoint_calibrates_apart_from_the_checkpoint(own_calibration, monkeypatch):
+    """The calibration's own passes must not run through the caller's saved-tensor hooks (non-reentrant
+    checkpoint counted them: 12 tensors saved against 10 on recomputation, and a CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(backends, "_calibrator", [calibrate.calibrate_cpu_kernels])
+    monkeypatch.setattr(calibrate, "PROBLEM", {**calibrate.PROBLEM, "seq_len": 32, "heads": 1, "rounds": 1})
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    q, k, v = _qkv(grad=True)
+    for op in (lambda q, k, v: linattn.linear_attention(q, k, v, causal=True),
+               lambda q, k, v: linattn.delta_rule(q, F.normalize(k, dim=-1), v, torch.ones(1, 2, 24) / 2)):
+        calibration._cache.clear()
+        calibration.calibration_path().unlink(missing_ok=True)           # uncalibrated: the first call measures
+        grads = torch.autograd.grad(checkpoint(op, q, k, v, use_reentrant=False).sum(), (q, k, v))
+        assert calibration.verdict("delta_rule", True, torch.get_num_threads()) is not None
+        with backends.use_backends("torch"):
+            expected = torch.autograd.grad(op(q, k, v).sum(), (q, k, v))
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_malformed_entry_is_measured_again_and_never_read_as_faster(own_calibration, monkeypatch):
+    own_calibration({(op, p): True for op in backends.OPS for p in calibration.PASSES})
+    threads = torch.get_num_threads()
+    path = calibration.calibration_path()
+    doc = json.loads(path.read_text())
+    doc["threads"][str(threads)]["linear_attention"] = None                # malformed: no verdict for this op
+    path.write_text(json.dumps(doc))
+    calibration._cache.clear()
+    monkeypatch.setattr(backends, "_calibrator", [lambda n: None])           # a calibrator that measures nothing
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    q, k, v = _qkv(grad=False)
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "torch"                              # no verdict: not taken as faster
+    linattn.delta_rule(q, F.normalize(k, dim=-1), v, torch.ones(1, 2, 24) / 2)
+    assert backends.last_backend() == "cpu"
+    monkeypatch.setattr(calibrate, "PROBLEM", {**calibrate.PROBLEM, "seq_len": 16, "heads": 1, "head_dim": 8,
+                                               "rounds": 1})
+    doc = calibrate.calibrate_cpu_kernels(threads)                          # the entry is incomplete: measured
+    assert isinstance(doc["threads"][str(threads)]["linear_attention"]["forward"]["compiled_faster"], bool)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, D", [(torch.float64, 8), (torch.float32, 128)])
+def test_the_default_applies_the_verdicts_only_to_what_was_calibrated(own_calibration, monkeypatch, dtype, D):
+    own_calibration({(op, p): True for op in backends.OPS for p in calibration.PASSES})
+    monkeypatch.delenv("LINATTN_CPU_KERNEL", raising=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, D, generator=g, dtype=dtype) for _ in range(3))
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "torch"                              # float64, or a state beyond 64×64
+    monkeypatch.setenv("LINATTN_CPU_KERNEL", "force")
+    linattn.linear_attention(q, k, v, causal=True)
+    assert backends.last_backend() == "cpu"
+
+
+def test_the_calibration_file_is_readable_by_every_user(monkeypatch, tmp_path):
+    path = tmp_path / "lib.so.calibration.json"
+    monkeypatch.setattr(calibration, "calibration_path", lambda: path)
+    monkeypatch.setattr(calibration, "_cache", {})
+    calibration.save_calibration(1, {"delta_rule": {p: {"compiled_faster": True} for p in calibration.PASSES}}, {})
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -66,6 +66,7 @@ def build(compiler: str, flags: list[str], info: dict) -> pathlib.Path:
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr.strip()[-2000:] or f"{compiler} exited with {proc.returncode}")
+            os.chmod(tmp, 0o755)             # mkstemp's 0600 would hide a shared cache from other users
             pathlib.Path(digest).write_text(_sha256(pathlib.Path(tmp)))
             os.replace(tmp, target)          # atomic: another process may be building the same file
             os.replace(digest, digest_path(target))

@@ -17,6 +17,16 @@ __all__ = ["PASSES", "calibration_path", "load_calibration", "verdict", "save_ca
 PASSES = ("forward", "forward+backward")
 
 _lock = threading.Lock()
+
+
+def _fresh_lock() -> None:
+    """In a forked child: a fork while another thread held the lock (building, calibrating) must not hang it."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock)
 _cache: dict = {}          # path -> the file's content, read once per process
 _unwritable: set = set()   # paths already warned about
 
@@ -75,6 +85,7 @@ def save_calibration(threads: int, results: dict, about: dict) -> dict:
             fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump(doc, f, indent=1)
+            os.chmod(tmp, 0o644)               # readable by every user of a shared cache, as the library is
             os.replace(tmp, path)          # atomic: another process may read it meanwhile
         except OSError as err:
             if tmp is not None and os.path.exists(tmp):

@@ -24,6 +24,16 @@ _ROW_BYTES = 1024          # the token loops' widest row of the state: MAXV vect
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
 _lock = threading.Lock()
+
+
+def _fresh_lock() -> None:
+    """In a forked child: a fork while another thread held the lock (building, calibrating) must not hang it."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock)
 _state: dict = {}          # "lib": the loaded library, "info": how it was built, "error": why not
 
 def cpu_kernel_enabled() -> bool:
