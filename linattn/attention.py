@@ -9,7 +9,8 @@ from torch import Tensor
 
 from . import _checks, backends
 from ._deprecated import moved
-from ._numerics import all_finite, compiling, divide_by_normaliser, masked_matmul, no_autocast, safe_normaliser
+from ._numerics import (CausalPoison, all_finite, compiling, divide_by_normaliser, masked_matmul, no_autocast,
+                        safe_normaliser)
 from .ops.varlen import check_cu_seqlens
 from .ops.linear import chunkwise_linear_attention, parallel_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from .feature_maps import FeatureMap, elu_plus_one, resolve_feature_map
@@ -256,10 +257,8 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
     if (method == "chunk" and phi is elu_plus_one and attention_mask is None and q.device.type == "cpu"
             and backends.select("linear_attention", q_acc, k, v, *_state_tensors(initial_state),
                                 chunk_size=chunk_size) == "cpu"):
-        done = _cpu_chunk(q_acc, k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
+        return _cpu_chunk(q_acc, k.to(acc), v.to(acc), None, normalize, eps, chunk_size, initial_state,
                           return_state, acc, feature_map="elu+1")
-        if done is not None:
-            return done
     phi_q, phi_k = _checks.apply_feature_map(phi, q_acc, k.to(acc))       # (B, H, T, M)
     v32 = v.to(acc)
     if attention_mask is not None:                                         # mask after φ; padded keys
@@ -281,9 +280,7 @@ def _linear_attention(q, k, v, phi, causal, normalize, eps, method, chunk_size, 
                 return out, (LinearAttentionState.from_augmented(S) if return_state else None)
             backends._record("torch")
         elif backend == "cpu":
-            done = _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
-            if done is not None:
-                return done
+            return _cpu_chunk(phi_q, phi_k, v32, state0, normalize, eps, chunk_size, None, return_state, acc)
         out, S, z = chunkwise_linear_attention(
             phi_q, phi_k, v32, None if state0 is None else state0.S, None if state0 is None else state0.z,
             normalize=normalize, eps=eps, chunk_size=chunk_size)
@@ -326,19 +323,24 @@ def _packed(packing, q, k, v, phi, normalize, eps, method, chunk_size, initial_s
 
 
 def _cpu_chunk(q, k, v, state0, normalize, eps, chunk_size, initial_state, return_state, acc, feature_map=None):
-    """The compiled CPU path (:mod:`linattn.kernels.cpu`): (output, state or None), or None where an input was
-    NaN/inf (then the PyTorch path, which keeps outputs and gradients causal around it, runs instead)."""
+    """The compiled CPU path (:mod:`linattn.kernels.cpu`): (output, state or None). A NaN/inf key or value
+    (a non-finite last state) is run again with zeros in its place and NaN where it reaches, as the PyTorch
+    path does: earlier outputs keep their bits, and no gradient of an earlier token sees the NaN."""
     from .kernels.cpu import causal_linear_attention_cpu
 
     if initial_state is not None:
         B, H, _, M = k.shape
         state0 = check_initial_state(initial_state, B, H, M, v.shape[-1], acc, q.device)
-    out, S, z = causal_linear_attention_cpu(
-        q, k, v, None if state0 is None else state0.S, None if state0 is None else state0.z,
-        normalize=normalize, eps=eps, chunk_size=chunk_size, feature_map=feature_map)
-    if not all_finite(S, z):                 # a NaN/inf key or value reaches the last state
-        backends._record("torch")
-        return None
+    def run(q, k, v):
+        return causal_linear_attention_cpu(
+            q, k, v, None if state0 is None else state0.S, None if state0 is None else state0.z,
+            normalize=normalize, eps=eps, chunk_size=chunk_size, feature_map=feature_map)
+
+    out, S, z = run(q, k, v)
+    if not all_finite(S, z):                 # a NaN/inf key or value reached the last state
+        poison = CausalPoison(q, k, v)
+        out, S, z = run(poison.q, poison.k, poison.v)
+        out, S, z = poison.outputs(out), poison.state(S), poison.normaliser(z)
     return out, (LinearAttentionState(S, z) if return_state else None)
 
 
