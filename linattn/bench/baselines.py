@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .. import _checks
 from ..attention import linear_attention
+from ..backends import use_backends
 from ..feature_maps import elu_plus_one
 
 __all__ = ["METHODS", "DEFAULT_METHODS", "LINEAR_METHODS", "cumsum_linear_attention",
@@ -140,23 +141,16 @@ def compiled_baseline_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk
     return fn(q, k, v, chunk_size=chunk_size, eps=eps)
 
 
-def _chunk_cpu_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
-    """What the default (``LINATTN_CPU_KERNEL=1``) runs: the compiled CPU kernel (elu+1 inside it) where its calibration found
-    it faster than the PyTorch chunk form, else that form (:func:`linattn.backends.last_backend` says which)."""
-    from ..attention import linear_attention
-    from ..backends import use_backends
-
-    with use_backends("cpu", "torch", calibrated=True):
-        return linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size, eps=eps)
+_PINNED = {"chunk_torch": (("torch",), False), "chunk_cpu": (("cpu", "torch"), True)}
+"""The order and calibration each pinned method runs linattn's chunk method under (:func:`_pinned_chunk`)."""
 
 
-def _chunk_torch_linear_attention(q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, eps: float = 1e-6) -> Tensor:
-    """linattn's PyTorch chunk form, pinned (``use_backends("torch")``): what ``chunk`` runs where no compiled
-    kernel is chosen."""
-    from ..attention import linear_attention
-    from ..backends import use_backends
-
-    with use_backends("torch"):
+def _pinned_chunk(q: Tensor, k: Tensor, v: Tensor, *, method: str, chunk_size: int, eps: float = 1e-6) -> Tensor:
+    """linattn's chunk method under ``use_backends``: ``chunk_torch`` pins the PyTorch chunk form; ``chunk_cpu``
+    runs the compiled CPU kernel (elu+1 inside it) where its calibration found it faster, else that form, as the
+    default (``LINATTN_CPU_KERNEL=1``) does (:func:`linattn.backends.last_backend` says which ran)."""
+    order, calibrated = _PINNED[method]
+    with use_backends(*order, calibrated=calibrated):
         return linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size, eps=eps)
 
 
@@ -172,10 +166,8 @@ def method_fn(method: str, chunk_size: int) -> Callable[[Tensor, Tensor, Tensor]
         return lambda q, k, v: baseline_chunk_linear_attention(q, k, v, chunk_size=chunk_size)
     if method == "compiled_baseline":
         return lambda q, k, v: compiled_baseline_linear_attention(q, k, v, chunk_size=chunk_size)
-    if method == "chunk_torch":
-        return lambda q, k, v: _chunk_torch_linear_attention(q, k, v, chunk_size=chunk_size)
-    if method == "chunk_cpu":
-        return lambda q, k, v: _chunk_cpu_linear_attention(q, k, v, chunk_size=chunk_size)
+    if method in _PINNED:
+        return lambda q, k, v: _pinned_chunk(q, k, v, method=method, chunk_size=chunk_size)
     if method == "fused":
         return lambda q, k, v: _fused_linear_attention(q, k, v, chunk_size=chunk_size)
     raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
