@@ -89,6 +89,26 @@ def test_gradients_of_each_output_alone(which):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_elu_plus_one_inside_is_the_same_arithmetic_as_outside(dtype):
+    """feature_map="elu+1" (φ formed by the library, its chain rule in place) gives bit for bit what
+    elu_plus_one's features give, at the edges of φ too: e^x underflowing, x = -0.0, 0, tiny, large."""
+    q, k, v = (x.detach() for x in _qkv(1, 2, 40, 8, 8, seed=5, dtype=dtype))
+    edges = torch.tensor([-200.0, -104.0, -17.0, -0.0, 0.0, 1e-30, 1e-8, 60.0], dtype=dtype)
+    q[0, 0, 3], k[0, 1, 7] = edges, edges.flip(0)
+    runs = []
+    for inside in (True, False):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        args = (qq, kk) if inside else _features(qq, kk)
+        out, S, z = cpu.causal_linear_attention_cpu(*args, vv, chunk_size=16,
+                                                    feature_map="elu+1" if inside else None)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        runs.append((out, S, z, *torch.autograd.grad((out * w).sum() + S.sum() + z.sum(), (qq, kk, vv))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
 def test_float32_error_at_65536_tokens_is_no_larger_than_the_pytorch_paths():
     """Two-level sums (within blocks of C tokens, then across blocks): with positive terms, whose
     running sum grows linearly, the float32 relative error against float64 at T = 65536 stays at

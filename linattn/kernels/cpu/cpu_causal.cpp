@@ -181,6 +181,50 @@ int run(const T* a, const T* b, const T* c, T* out, T* X, T* z, T* den, uint8_t*
     return linattn_parallel::run_workers(nt, body) ? 0 : 3;
 }
 
+// The rows [w·n/nt, (w+1)·n/nt) of n on worker w of nt: elementwise work split in contiguous parts.
+template <typename F>
+int split_rows(int64_t n, int threads, F&& part) {
+    const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, n / 4096 + 1));
+    auto body = [&](int64_t w) { part(n * w / nt, n * (w + 1) / nt); };
+    return linattn_parallel::run_workers(nt, body) ? 0 : 3;
+}
+
+// phi += max(x, 0): elu(x) + 1 = exp(min(x, 0)) + max(x, 0) (linattn.elu_plus_one's arithmetic)
+// with the exponential already in phi; one pass and no temporary for the second half.
+template <typename T>
+int add_relu(T* phi, const T* x, int64_t n, int threads) {
+    return split_rows(n, threads, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) phi[i] += std::max(x[i], T(0));
+    });
+}
+
+// The normaliser's share of the backward pass of y = o / den, per row t of (rows, Dv):
+//     g_den[t] = -(Σ_j g[t, j] y[t, j]) / den[t] where ok[t] (0 where den was replaced by eps),
+//     g_out[t, :] = g[t, :] / den[t]
+// (one pass over g and y instead of four; the sum over j in a fixed order).
+template <typename T>
+int normaliser_grad(const T* g, const T* y, const T* den, const uint8_t* ok, T* g_out, T* g_den, int64_t rows,
+                    int64_t Dv, int threads) {
+    return split_rows(rows, threads, [&](int64_t t0, int64_t t1) {
+        constexpr int L = Simd<T>::lanes;
+        for (int64_t t = t0; t < t1; ++t) {
+            const T* gt = g + t * Dv;
+            const T* yt = y + t * Dv;
+            T* ot = g_out + t * Dv;
+            T part[L] = {};
+            int64_t j = 0;
+            for (; j + L <= Dv; j += L)
+                for (int l = 0; l < L; ++l) part[l] += gt[j + l] * yt[j + l];
+            for (; j < Dv; ++j) part[0] += gt[j] * yt[j];
+            for (int width = L / 2; width >= 1; width /= 2)
+                for (int l = 0; l < width; ++l) part[l] += part[l + width];
+            const T d = den[t];
+            g_den[t] = ok[t] ? -(part[0] / d) : T(0);
+            for (j = 0; j < Dv; ++j) ot[j] = gt[j] / d;
+        }
+    });
+}
+
 }  // namespace
 
 extern "C" {
@@ -208,6 +252,25 @@ void linattn_elu_grad_f32(float* g, const float* phi, int64_t n) {
 
 void linattn_elu_grad_f64(double* g, const double* phi, int64_t n) {
     for (int64_t i = 0; i < n; ++i) g[i] *= std::min(phi[i], 1.0);
+}
+
+int linattn_add_relu_f32(float* phi, const float* x, int64_t n, int threads) {
+    return add_relu<float>(phi, x, n, threads);
+}
+
+int linattn_add_relu_f64(double* phi, const double* x, int64_t n, int threads) {
+    return add_relu<double>(phi, x, n, threads);
+}
+
+// Returns 0, or 3 if a thread could not be started.
+int linattn_normaliser_grad_f32(const float* g, const float* y, const float* den, const uint8_t* ok, float* g_out,
+                                float* g_den, int64_t rows, int64_t Dv, int threads) {
+    return normaliser_grad<float>(g, y, den, ok, g_out, g_den, rows, Dv, threads);
+}
+
+int linattn_normaliser_grad_f64(const double* g, const double* y, const double* den, const uint8_t* ok,
+                                double* g_out, double* g_den, int64_t rows, int64_t Dv, int threads) {
+    return normaliser_grad<double>(g, y, den, ok, g_out, g_den, rows, Dv, threads);
 }
 
 int linattn_vector_bytes() { return linattn_simd::vector_bytes; }

@@ -30,6 +30,15 @@ def _pass(a: Tensor, b: Tensor, c: Tensor, X: Tensor, chunk_size: int, *, revers
     return out
 
 
+def _elu_plus_one(x: Tensor) -> Tensor:
+    """:func:`linattn.elu_plus_one` of a contiguous ``x``, the same arithmetic: ``exp(min(x, 0))`` by PyTorch,
+    then ``+ max(x, 0)`` in place by the library (one pass and one temporary fewer)."""
+    phi = x.clamp(max=0.0).exp_()
+    _check_status(getattr(_library(), f"linattn_add_relu_{_DTYPES[x.dtype]}")(
+        _ptr(phi), _ptr(x), x.numel(), torch.get_num_threads()))
+    return phi
+
+
 def _forward(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor], z0: Optional[Tensor], normalize: bool,
              eps: float, chunk_size: int):
     """The forward pass: output, final state, and the normaliser used (with where it was used as computed)."""
@@ -56,9 +65,14 @@ def _backward(g_out, g_S, g_z, phi_q, phi_k, v, y, den, ok, S0, z0, config, need
     dtype = v.dtype
     g = torch.zeros_like(y) if g_out is None else g_out.to(dtype).contiguous()
     g_den = None
-    if normalize:
-        g_den = (g * y).sum(-1).div_(den).neg_().masked_fill_(ok == 0, 0.0)     # (B, H, T)
-        g = g / den.unsqueeze(-1)                                               # (B, H, T, Dv)
+    if normalize:             # g_den = -(g·y)/den where the normaliser was used as computed, else 0; g /= den
+        g_den = torch.empty(B, H, T, dtype=dtype)
+        g_scaled = torch.empty_like(g)
+        status = getattr(_library(), f"linattn_normaliser_grad_{_DTYPES[dtype]}")(
+            _ptr(g), _ptr(y), _ptr(den), _ptr(ok), _ptr(g_scaled), _ptr(g_den), B * H * T, Dv,
+            torch.get_num_threads())
+        _check_status(status)
+        g = g_scaled                                                            # (B, H, T, Dv)
     with_row = normalize or g_z is not None          # z enters the gradients of φ(k) and of z0
     ones = torch.ones(B, H, T, dtype=dtype) if with_row else None
     Mp = M + (-M % _lanes(v))
@@ -135,10 +149,8 @@ class _CpuEluCausalLinearAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
-        from ...feature_maps import elu_plus_one
-
         with torch.no_grad():
-            phi_q, phi_k = elu_plus_one(q).contiguous(), elu_plus_one(k).contiguous()
+            phi_q, phi_k = _elu_plus_one(q), _elu_plus_one(k)
         return _forward_and_save(ctx, phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
 
     @staticmethod

@@ -87,6 +87,8 @@ def _declare(lib) -> None:
         signatures = {                   # name: (result, arguments); the last two ints: a flag and the threads
             "causal_pass": (c_int, [p] * 8 + [real] + [p] * 3 + [i64] * 5 + [c_int, c_int]),
             "elu_grad": (None, [p, p, i64]),
+            "add_relu": (c_int, [p, p, i64, c_int]),
+            "normaliser_grad": (c_int, [p] * 6 + [i64, i64, c_int]),
             "delta_forward": (c_int, [p] * 8 + [i64] * 5 + [c_int, c_int]),
             "delta_backward": (c_int, [p] * 13 + [i64] * 5 + [c_int, c_int]),
             "decay_forward": (c_int, [p] * 7 + [i64] * 5 + [c_int, c_int]),
