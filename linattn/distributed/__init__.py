@@ -1,6 +1,6 @@
 """Sequence parallelism over ``torch.distributed``: each rank holds a contiguous slice of the sequence."""
 from .affine import apply_transition
-from .agreement import AUTO_STATE_EXCHANGE, AUTO_STATE_EXCHANGE_DEFAULT, STATE_EXCHANGES
+from .agreement import AUTO_STATE_EXCHANGE, AUTO_STATE_EXCHANGE_DEFAULT, STATE_EXCHANGE_ALIASES, STATE_EXCHANGES
 from .comm import ByteCounter, count_bytes
 from .decay_rules import sequence_parallel_gated_linear_attention, sequence_parallel_retention
 from .delta_rules import sequence_parallel_delta_rule, sequence_parallel_gated_delta_rule
@@ -13,6 +13,7 @@ from .sequence_parallel import local_state, sequence_parallel_linear_attention
 
 __all__ = [
     "STATE_EXCHANGES",
+    "STATE_EXCHANGE_ALIASES",
     "AUTO_STATE_EXCHANGE",
     "sequence_parallel_linear_attention",
     "sequence_parallel_retention",

@@ -15,10 +15,14 @@ from .. import _checks
 from ..feature_maps import FeatureMap
 from .comm import _all_gather, _Ranks
 
-__all__ = ['STATE_EXCHANGES', 'AUTO_STATE_EXCHANGE', 'AUTO_STATE_EXCHANGE_DEFAULT']
+__all__ = ['STATE_EXCHANGES', 'STATE_EXCHANGE_ALIASES', 'AUTO_STATE_EXCHANGE', 'AUTO_STATE_EXCHANGE_DEFAULT']
 
 
+#: The distinct ways to pass the state, as the functions return them and results files record them.
 STATE_EXCHANGES = ("allgather", "ring", "scan")
+#: Other accepted names: ``"chain"`` is exactly ``"ring"`` (the state passes along a chain of
+#: ranks, not around a ring); the functions accept it and treat it as ``"ring"``.
+STATE_EXCHANGE_ALIASES = {"chain": "ring"}
 #: What ``state_exchange="auto"`` (the default) becomes, by backend: NCCL's one all-gather per pass
 #: (LASP-2, Sun et al., 2025, measured on GPUs); elsewhere (gloo) the chain, which chapter 12's
 #: sp_exchange study measured faster than gloo's all-gather for the exchange at P = 2 and 4.
@@ -217,14 +221,16 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _check_state_exchange(state_exchange, ranks: Optional[_Ranks] = None) -> str:
-    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored)."""
-    choices = ("auto",) + STATE_EXCHANGES
+    """``state_exchange`` as one of ``STATE_EXCHANGES`` (case and surrounding spaces ignored;
+    an alias such as ``"chain"`` becomes its name there, ``"ring"``)."""
+    choices = ("auto",) + tuple(sorted(STATE_EXCHANGES + tuple(STATE_EXCHANGE_ALIASES)))
     if not isinstance(state_exchange, str):
         raise TypeError(f"state_exchange must be a str, one of {choices}, "
                         f"got {type(state_exchange).__name__}")
     key = state_exchange.strip().lower()
     if key not in choices:
         raise ValueError(f"state_exchange must be one of {choices} (any case), got {state_exchange!r}")
+    key = STATE_EXCHANGE_ALIASES.get(key, key)
     if key == "auto" and ranks is not None:
         key = AUTO_STATE_EXCHANGE.get(dist.get_backend(ranks.group), AUTO_STATE_EXCHANGE_DEFAULT)
     return key

@@ -56,8 +56,8 @@ def sequence_parallel_retention(
     group : torch.distributed.ProcessGroup, optional
         The ranks that share the sequence, in sequence order; the default group if None.
     state_exchange : str
-        How the maps travel, as in :func:`sequence_parallel_linear_attention`: ``"ring"`` (the
-        chain: each rank passes one state, ``B·HV·Dk·Dv`` numbers, to the next), ``"allgather"``
+        How the maps travel, as in :func:`sequence_parallel_linear_attention`: ``"chain"`` (or
+        ``"ring"``, the same: each rank passes one state, ``B·HV·Dk·Dv`` numbers, to the next), ``"allgather"``
         (every rank gathers every map, decay and state: ``(P-1)·B·HV·(1 + Dk·Dv)`` numbers sent
         per rank) or ``"scan"`` (``⌈log2 P⌉`` rounds of one map); ``"auto"`` is
         :data:`AUTO_STATE_EXCHANGE`. The backward sends the same with the transposed maps

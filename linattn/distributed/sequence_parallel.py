@@ -249,14 +249,15 @@ def sequence_parallel_linear_attention(
 
         - ``"allgather"``: each rank gathers every rank's state and sums those to its left;
           one collective call, ``(P-1)·n`` bytes sent per rank in a ring all-gather;
-        - ``"ring"``: a chain, rank ``r`` receives the running sum from ``r - 1`` and sends it on:
+        - ``"chain"`` (also accepted as ``"ring"``, the same exchange, the name results files
+          use): rank ``r`` receives the running sum from ``r - 1`` and sends it on:
           ``n`` bytes per rank, but ``P - 1`` messages one after the other;
         - ``"scan"``: an exclusive scan in ``⌈log2 P⌉`` rounds of one state each (Hillis &
           Steele's recursive doubling): at most ``⌈log2 P⌉·n`` bytes per rank and ``⌈log2 P⌉``
           messages on the critical path; its sums are added in another order, so its outputs
           equal the other two's up to rounding (the all-gather and the chain agree bit for bit);
         - ``"auto"`` (default): ``"allgather"`` with NCCL (one collective per pass, as LASP-2,
-          Sun et al., 2025, chose and measured on GPUs), ``"ring"`` with any other backend
+          Sun et al., 2025, chose and measured on GPUs), the chain with any other backend
           (chapter 12's ``sp_exchange`` study: with gloo on CPU the chain and the scan passed
           the state faster than the all-gather in every block at ``P = 2`` and ``4``, the chain
           most often). See :data:`AUTO_STATE_EXCHANGE`.

@@ -64,6 +64,7 @@ _LINEAR = {
     "causal-unnorm-ring": dict(lengths=None, causal=True, normalize=False, exchange="ring"),
     "causal-norm-scan": dict(lengths=None, causal=True, normalize=True, exchange="scan"),
     "causal-norm-auto": dict(lengths=None, causal=True, normalize=True, exchange="auto"),
+    "causal-norm-chain": dict(lengths=None, causal=True, normalize=True, exchange="chain"),
     "causal-unnorm-scan": dict(lengths=None, causal=True, normalize=False, exchange="scan"),
     "noncausal-norm": dict(lengths=None, causal=False, normalize=True, exchange="allgather"),
     "noncausal-unnorm": dict(lengths=None, causal=False, normalize=False, exchange="ring"),
@@ -133,6 +134,8 @@ CASES = {
                                                              dict(causal=False, state_exchange="allgather")]),
             "exchange-any-case": dict(per_rank=[dict(causal=True, state_exchange=" Ring "),
                                                 dict(causal=True, state_exchange="RING")]),
+            "exchange-chain-is-ring": dict(per_rank=[dict(causal=True, state_exchange="Chain"),
+                                                     dict(causal=True, state_exchange="ring")]),
             "method-and-chunk-may-differ": dict(per_rank=[dict(causal=True, method="recurrent"),
                                                           dict(causal=True, method="Chunk", chunk_size=3)]),
             "feature-map-by-name-or-function": dict(per_rank=[dict(causal=True, feature_map=" ELU+1"),
@@ -198,10 +201,11 @@ CASES = {
                for softmax in (False, True)},
             "exchange-not-a-str": dict(
                 per_rank=[dict(causal=True, state_exchange=1)] * 2,
-                expect=("TypeError", ["state_exchange must be a str, one of ('auto', 'allgather', 'ring', 'scan'), got int"])),
+                expect=("TypeError", ["state_exchange must be a str, one of ('auto', 'allgather', 'chain', 'ring', 'scan'), "
+                                       "got int"])),
             "exchange-unknown-even-when-unused": dict(
                 per_rank=[dict(causal=False, state_exchange="tree")] * 2,
-                expect=("ValueError", ["state_exchange must be one of ('auto', 'allgather', 'ring', 'scan') (any case), "
+                expect=("ValueError", ["state_exchange must be one of ('auto', 'allgather', 'chain', 'ring', 'scan') (any case), "
                                        "got 'tree'"])),
         }.items()},
     },
@@ -228,7 +232,7 @@ CASES = {
 def _inputs(name: str, case: dict):
     """The whole sequence in float64, the same in every process (seeded by the case name, so that
     the two exchanges of one configuration see the same numbers)."""
-    key = name.removesuffix("-ring").removesuffix("-allgather").removesuffix("-scan").removesuffix("-auto")
+    key = name.removesuffix("-ring").removesuffix("-allgather").removesuffix("-scan").removesuffix("-auto").removesuffix("-chain")
     g = torch.Generator().manual_seed(sum(map(ord, key)))
     Tk = sum(case["lengths"])
     Tq = sum(case.get("q_lengths") or case["lengths"])
@@ -458,6 +462,23 @@ def test_auto_exchange_is_the_chain_on_gloo(ranks, world_size):
         a, b = res["causal-norm-auto"], res["causal-norm-ring"]
         assert torch.equal(a["out"], b["out"]) and a["bytes"] == b["bytes"], f"rank {rank}"
         assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_chain_is_another_name_for_ring(ranks, world_size):
+    """``"chain"`` is exactly ``"ring"``: the same messages, bit-identical outputs and gradients."""
+    assert linattn.distributed.STATE_EXCHANGE_ALIASES == {"chain": "ring"}
+    assert "chain" not in linattn.distributed.STATE_EXCHANGES      # results files keep the name "ring"
+    for rank, res in enumerate(ranks(world_size)):
+        a, b = res["causal-norm-chain"], res["causal-norm-ring"]
+        assert torch.equal(a["out"], b["out"]) and a["bytes"] == b["bytes"], f"rank {rank}"
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
+
+
+def test_chain_is_named_where_a_bad_exchange_is_refused():
+    with pytest.raises(ValueError, match=r"state_exchange must be one of \('auto', 'allgather', 'chain', 'ring', "
+                                         r"'scan'\) \(any case\), got 'tree'"):
+        measure_sequence_parallel(2, [dict(kind="linear", T=8, state_exchange="tree")])
 
 
 def _scan_sends(P: int, position: int) -> int:
