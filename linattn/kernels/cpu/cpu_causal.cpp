@@ -103,6 +103,14 @@ void block(const T* a, const T* b, const T* c, T* out, int64_t n, int64_t Da, in
     }
 }
 
+// The sum of L per-lane partial sums in a fixed tree (so a result never depends on the threads).
+template <typename T, int L>
+inline T lane_sum(T (&part)[L]) {
+    for (int width = L / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; ++l) part[l] += part[l + width];
+    return part[0];
+}
+
 // The normaliser of one block: z += b_t, d_t = a_tᵀ z (two-level sums as the state), then
 // out_t /= d_t where d_t > 0 and finite, else out_t /= eps (linattn._numerics.guarded_normaliser).
 template <typename T>
@@ -124,9 +132,7 @@ void normalise_block(const T* a, const T* b, T* out, int64_t n, int64_t Da, int6
             zacc[i] += bt[i];
             part[0] += at[i] * (z[i] + zacc[i]);
         }
-        for (int width = L / 2; width >= 1; width /= 2)       // a fixed summation tree
-            for (int l = 0; l < width; ++l) part[l] += part[l + width];
-        const T d = part[0];
+        const T d = lane_sum(part);
         if (den != nullptr) {
             const bool good = d > T(0) && d < std::numeric_limits<T>::infinity();
             const T used = good ? d : eps;
@@ -216,10 +222,8 @@ int normaliser_grad(const T* g, const T* y, const T* den, const uint8_t* ok, T* 
             for (; j + L <= Dv; j += L)
                 for (int l = 0; l < L; ++l) part[l] += gt[j + l] * yt[j + l];
             for (; j < Dv; ++j) part[0] += gt[j] * yt[j];
-            for (int width = L / 2; width >= 1; width /= 2)
-                for (int l = 0; l < width; ++l) part[l] += part[l + width];
             const T d = den[t];
-            g_den[t] = ok[t] ? -(part[0] / d) : T(0);
+            g_den[t] = ok[t] ? -(lane_sum(part) / d) : T(0);
             for (j = 0; j < Dv; ++j) ot[j] = gt[j] / d;
         }
     });
