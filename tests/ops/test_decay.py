@@ -49,7 +49,8 @@ def _grads(family, xs, method, chunk_size=16):
 
 @pytest.fixture
 def choices(monkeypatch):
-    """Records every group's choice (True: the prefix form)."""
+    """Records every group's choice (True: the prefix form) of the PyTorch chunk form, which the test runs
+    whatever the host's calibration chose for the compiled CPU loops (they make no such choice)."""
     seen = []
     real = _decay.mild_groups
 
@@ -61,7 +62,8 @@ def choices(monkeypatch):
     import linattn.ops.wy.function as wy_function
     monkeypatch.setattr(gla_chunk, "mild_groups", spy)
     monkeypatch.setattr(wy_function, "mild_groups", spy)
-    return seen
+    with linattn.backends.use_backends("torch"):
+        yield seen
 
 
 def test_mild_groups_decide_by_depth_size_and_finite_entries():
