@@ -294,6 +294,106 @@ def _unchunk(x: Tensor, B: int, H: int, T: int) -> Tensor:
     return x if x.shape[2] == T else x[:, :, :T].contiguous()
 
 
+HEAD_BLOCK_CHUNKS = 64
+"""Chunks per block of :func:`_forward_by_head`: its workspaces hold this many chunks of one head."""
+BY_HEAD_MIN_CHUNKS = 16
+"""From this many chunks per head on, a call that needs no gradient runs :func:`_forward_by_head` on the CPU."""
+
+
+def _prefix_(x: Tensor) -> Tensor:
+    """In place: the inclusive prefix sum of ``x`` over its first dimension, in about ``2√n`` additions of
+    whole rows (rows in groups of ``g ≈ √n``: the sums inside every group at once, then each group's carry)."""
+    n = x.shape[0]
+    g = max(1, int(n ** 0.5))
+    m = n // g
+    grid = x[: m * g].view(m, g, *x.shape[1:])
+    for i in range(1, g):
+        grid[:, i] += grid[:, i - 1]
+    for j in range(1, m):
+        grid[j] += grid[j - 1, g - 1]
+    for r in range(m * g, n):
+        x[r] += x[r - 1]
+    return x
+
+
+def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor], z0: Optional[Tensor],
+                     normalize: bool, eps: float, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward alone, for calls that need no gradient: :class:`_ChunkwiseLinearAttention`'s products, one
+    head and up to :data:`HEAD_BLOCK_CHUNKS` chunks at a time.
+
+    Its workspaces (the scores, the states before each chunk, the normalisers) hold one block of one head and are
+    reused, where the Function's hold the whole sequence of every head (it saves them for the backward); the
+    prefix sums over chunks are summed in another order (:func:`_prefix_`), so results may differ from the
+    Function's in the last bits. Same arguments and results as :func:`chunkwise_linear_attention`.
+    """
+    B, H, T, M = phi_q.shape
+    Dv = v.shape[-1]
+    C = min(chunk_size, T)
+    N = -(-T // C)
+    with no_autocast(phi_q.device):
+        if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
+            pad = (0, 0, 0, N * C - T)
+            phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
+        BH = B * H
+        q4, k4, v4 = phi_q.view(BH, N, C, M), phi_k.view(BH, N, C, M), v.view(BH, N, C, Dv)
+        y = phi_q.new_empty(B, H, N * C, Dv)
+        y4 = y.view(BH, N, C, Dv)
+        G = min(N, HEAD_BLOCK_CHUNKS)
+        S = phi_q.new_empty(G + 1, M, Dv)      # row 0: the state before the block; row c + 1: after its chunk c
+        z = phi_q.new_empty(G + 1, M)
+        scores = phi_q.new_empty(G, C, C)
+        den = phi_q.new_empty(G, C, 1)
+        S_final, z_final = phi_q.new_empty(B, H, M, Dv), phi_q.new_empty(B, H, M)
+        S_last, z_last = S_final.view(BH, M, Dv), z_final.view(BH, M)
+        S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
+        z0_ = None if z0 is None else z0.reshape(BH, M)
+        for h in range(BH):
+            for g0 in range(0, N, G):
+                n = min(G, N - g0)
+                if g0:                               # the state after the previous block (n was G there)
+                    S[0].copy_(S[G])
+                    z[0].copy_(z[G])
+                else:                                # the state before the first chunk
+                    if S0_ is None:
+                        S[0].zero_()
+                    else:
+                        S[0].copy_(S0_[h])
+                    if z0_ is None:
+                        z[0].zero_()
+                    else:
+                        z[0].copy_(z0_[h])
+                q_c, k_c, v_c = q4[h, g0 : g0 + n], k4[h, g0 : g0 + n], v4[h, g0 : g0 + n]
+                torch.bmm(k_c.transpose(1, 2), v_c, out=S[1 : n + 1])          # per-chunk φ(K_c)ᵀV_c
+                S[1] += S[0]
+                _prefix_(S[1 : n + 1])                                         # S[c]: the state before chunk c
+                a = torch.bmm(q_c, k_c.transpose(1, 2), out=scores[:n]).tril_()   # (n, C, C)
+                out = torch.bmm(q_c, S[:n], out=y4[h, g0 : g0 + n])            # earlier chunks
+                out.baddbmm_(a, v_c)                                           # + this chunk
+                torch.sum(k_c, dim=1, out=z[1 : n + 1])
+                z[1] += z[0]
+                _prefix_(z[1 : n + 1])
+                if normalize:
+                    d = torch.bmm(q_c, z[:n].unsqueeze(-1), out=den[:n])       # (n, C, 1)
+                    d.add_(a.sum(-1, keepdim=True))
+                    out.div_(torch.where((d > 0) & (d < float("inf")), d, eps))   # guarded_normaliser's values
+            S_last[h].copy_(S[n])
+            z_last[h].copy_(z[n])
+        if N * C != T:
+            y = y[:, :, :T].clone()                 # a tensor of its own, not a view
+    return y, S_final, z_final
+
+
+def _by_head(phi_q: Tensor, chunk_size: int, *tensors: Optional[Tensor]) -> bool:
+    """Whether :func:`chunkwise_linear_attention` runs :func:`_forward_by_head`: on the CPU, with at least
+    :data:`BY_HEAD_MIN_CHUNKS` chunks per head, when no gradient is needed (grad mode off, or no tensor
+    requiring one) and neither ``torch.compile`` nor a ``torch.func`` transform is active."""
+    if phi_q.device.type != "cpu" or -(-phi_q.shape[2] // chunk_size) < BY_HEAD_MIN_CHUNKS:
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return not compiling() and not torch._C._are_functorch_transforms_active()
+
+
 def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor] = None,
                                z0: Optional[Tensor] = None, *, normalize: bool = True, eps: float = 1e-6,
                                chunk_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
@@ -322,8 +422,21 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     S, z : Tensor
         The state after the last token, ``(B, H, M, Dv)`` and ``(B, H, M)``, contiguous
         tensors of their own.
+
+    Notes
+    -----
+    A call on the CPU that needs no gradient, with at least :data:`BY_HEAD_MIN_CHUNKS` chunks per head, runs
+    :func:`_forward_by_head`: the same products one head at a time, in workspaces of one block of chunks
+    instead of tensors of the whole sequence kept for a backward pass.
     """
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
+    if _by_head(phi_q, chunk_size, phi_q, phi_k, v, S0, z0):
+        out = _forward_by_head(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
+        if all_finite(out[1], out[2]):
+            return out
+        poison = CausalPoison(phi_q, phi_k, v)
+        out = _forward_by_head(poison.q, poison.k, poison.v, S0, z0, normalize, eps, chunk_size)
+        return poison.outputs(out[0]), poison.state(out[1]), poison.normaliser(out[2])
     fn = _chunkwise_function()
     if not compiling():
         out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
