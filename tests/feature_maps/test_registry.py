@@ -48,6 +48,28 @@ def test_elu_plus_one_gradient():
     torch.testing.assert_close(g1, g2, rtol=1e-14, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("extra", [0, 77])
+def test_elu_plus_one_on_a_large_tensor_is_the_same_bits_with_one_allocation(dtype, extra):
+    """Large contiguous CPU inputs go block by block: the same bits as the four whole-tensor passes (e^x for
+    x <= 0, 1 + x for x > 0, NaN and infinities included), a result of its own, and no second tensor of the
+    input's size allocated."""
+    from linattn.bench import peak_memory
+    from linattn.feature_maps.elementwise import ELU_BLOCK
+
+    n = 5 * ELU_BLOCK + extra
+    x = 20 * torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    x[::97], x[::101], x[::103] = float("nan"), float("inf"), -float("inf")
+    want = torch.where(x > 0, x + 1, torch.exp(x.clamp(max=0.0)))
+    want[x.isnan()] = float("nan")
+    with torch.no_grad():
+        got = linattn.elu_plus_one(x)
+        peak = peak_memory(lambda: linattn.elu_plus_one(x))
+    assert torch.equal(got.isnan(), x.isnan()) and torch.equal(got.nan_to_num(nan=0.0), want.nan_to_num(nan=0.0))
+    assert got.data_ptr() != x.data_ptr()
+    assert peak < 1.5 * n * x.element_size(), peak
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_relu_values_shape_dtype(dtype):
     x = _x(dtype)
