@@ -51,10 +51,10 @@ def elu_plus_one_arithmetic(x: Tensor) -> Tensor:
     passes run while it is in cache, and only the result is allocated (the same elementwise arithmetic, so the
     same bits).
     """
-    n = x.numel()
-    if (n < 4 * ELU_BLOCK or x.device.type != "cpu" or not x.is_contiguous() or torch.compiler.is_compiling()
-            or torch._C._are_functorch_transforms_active() or type(x) is not Tensor):
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or type(x) is not Tensor
+            or x.device.type != "cpu" or not x.is_contiguous() or x.numel() < 4 * ELU_BLOCK):
         return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
+    n = x.numel()
     out = torch.empty_like(x)
     flat_x, flat_out = x.view(-1), out.view(-1)
     relu = x.new_empty(ELU_BLOCK)

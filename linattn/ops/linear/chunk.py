@@ -296,8 +296,9 @@ def _unchunk(x: Tensor, B: int, H: int, T: int) -> Tensor:
 
 HEAD_BLOCK_CHUNKS = 64
 """Chunks per block of :func:`_forward_by_head`: its workspaces hold this many chunks of one head."""
-BY_HEAD_MIN_CHUNKS = 16
-"""From this many chunks per head on, a call that needs no gradient runs :func:`_forward_by_head` on the CPU."""
+BY_HEAD_MIN_CHUNKS = 128
+"""From this many chunks per head on, a call that needs no gradient runs :func:`_forward_by_head` on the CPU
+(below it the whole-sequence products of the Function were as fast, in fewer and larger calls)."""
 
 
 def _prefix_(x: Tensor) -> Tensor:
