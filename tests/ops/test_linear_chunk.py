@@ -142,26 +142,33 @@ def test_property_chunk_with_state_matches_float64_reference(B, H, T, D, Dv, chu
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
+def _by_head_everywhere(mp, min_chunks=4, block=3):
+    """Let the head-by-head no-grad forward run on small problems (its thresholds are performance rules)."""
+    import linattn.ops.linear.chunk as chunk_module
+    mp.setattr(chunk_module, "BY_HEAD_MIN_CHUNKS", min_chunks)
+    mp.setattr(chunk_module, "BY_HEAD_MIN_SIZE", 1)
+    mp.setattr(chunk_module, "HEAD_BLOCK_CHUNKS", block)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
-    B=st.integers(1, 2), H=st.integers(1, 3), chunk_size=st.integers(1, 3), extra=st.integers(0, 200),
+    B=st.integers(1, 2), H=st.integers(1, 3), chunk_size=st.integers(1, 5), T=st.integers(20, 120),
     D=st.integers(1, 6), Dv=st.integers(1, 6), normalize=st.booleans(), with_state=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_property_no_grad_forward_matches_float64_reference(B, H, chunk_size, extra, D, Dv, normalize, with_state,
+def test_property_no_grad_forward_matches_float64_reference(B, H, chunk_size, T, D, Dv, normalize, with_state,
                                                             seed):
-    """A call that needs no gradient, with at least ``BY_HEAD_MIN_CHUNKS`` chunks per head (the PyTorch chunk
-    form's head-by-head forward; several blocks of ``HEAD_BLOCK_CHUNKS`` chunks, a ragged tail): output and
-    final state against the masked quadratic form in float64."""
-    from linattn.ops.linear.chunk import BY_HEAD_MIN_CHUNKS
-    T = chunk_size * BY_HEAD_MIN_CHUNKS + extra
+    """A call that needs no gradient, run head by head (thresholds lowered so that small problems take that
+    path; blocks of 3 chunks, so several blocks and a ragged tail): output and final state against the masked
+    quadratic form in float64."""
     q, k, v = _qkv(B, H, T, D, Dv, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     state = None
     if with_state:
         state = linattn.LinearAttentionState(torch.rand(B, H, D, Dv, generator=g, dtype=torch.float64),
                                              torch.rand(B, H, D, generator=g, dtype=torch.float64))
-    with torch.no_grad(), linattn.backends.use_backends("torch"):
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad(), linattn.backends.use_backends("torch"):
+        _by_head_everywhere(mp)
         out, st_out = linattn.linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size,
                                                normalize=normalize, initial_state=state, return_state=True)
     ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=True, normalize=normalize,
@@ -170,24 +177,41 @@ def test_property_no_grad_forward_matches_float64_reference(B, H, chunk_size, ex
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
-def test_no_grad_forward_keeps_no_sequence_long_workspace():
+def test_no_grad_forward_sums_the_states_in_order(monkeypatch):
+    """Finite values whose running sums stay finite (2e38, -2e38, -2e38, 2e38 and 1e8, -1e8, 1): the head-by-head
+    forward sums the chunk states one after another, as the Function does, so no partial sum overflows and no
+    small term is lost (a grouped scan gave -inf and 0 here, found by a new-user test)."""
+    _by_head_everywhere(monkeypatch, min_chunks=1, block=64)
+    T = 64
+    q = k = torch.ones(1, 1, T, 1)
+    for values, want_after in (((2e38, -2e38, -2e38, 2e38), 0.0), ((1e8, -1e8, 1.0, 0.0), 1.0)):
+        v = torch.zeros(1, 1, T, 1)
+        v[0, 0, 7:11, 0] = torch.tensor(values)
+        with torch.no_grad(), linattn.backends.use_backends("torch"):
+            out, st = linattn.linear_attention(q, k, v, causal=True, method="chunk", chunk_size=1, normalize=False,
+                                               feature_map=None, return_state=True)
+        assert torch.equal(out[0, 0, 10:, 0], torch.full((T - 10,), want_after)), out[0, 0, 8:14, 0]
+        assert st.S.item() == want_after
+
+
+def test_no_grad_forward_keeps_no_sequence_long_workspace(monkeypatch):
     """Without a gradient to compute, the chunk form keeps no (B, H, N, C, C) scores for a backward: its peak
     memory stays below half of that tensor (the Function, which saves them for the backward, takes more than
     all of it)."""
-    from linattn.ops.linear.chunk import BY_HEAD_MIN_CHUNKS
+    _by_head_everywhere(monkeypatch, min_chunks=128)
     B, H, D, C = 1, 8, 2, 32
-    T = C * BY_HEAD_MIN_CHUNKS
+    T = C * 128
     q, k, v = _qkv(B, H, T, D, D)
     with torch.no_grad(), linattn.backends.use_backends("torch"):
         peak = peak_memory(lambda: linattn.linear_attention(q, k, v, causal=True, method="chunk", chunk_size=C))
     assert peak < B * H * T * C * 8 / 2, peak
 
 
-def test_no_grad_forward_keeps_non_finite_inputs_causal():
+def test_no_grad_forward_keeps_non_finite_inputs_causal(monkeypatch):
     """A NaN in one key of a long no-grad call: every output before it is the finite reference value, and the
     state and outputs from it on are NaN (as the Function's forward gives them)."""
-    from linattn.ops.linear.chunk import BY_HEAD_MIN_CHUNKS
-    q, k, v = _qkv(1, 2, (BY_HEAD_MIN_CHUNKS + 40) * 4, 4, 3)
+    _by_head_everywhere(monkeypatch, min_chunks=16)
+    q, k, v = _qkv(1, 2, 640, 4, 3)
     k[0, 1, 300, 2] = float("nan")
     with linattn.backends.use_backends("torch"):
         with torch.no_grad():

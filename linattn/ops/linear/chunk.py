@@ -299,22 +299,9 @@ HEAD_BLOCK_CHUNKS = 64
 BY_HEAD_MIN_CHUNKS = 128
 """From this many chunks per head on, a call that needs no gradient runs :func:`_forward_by_head` on the CPU
 (below it the whole-sequence products of the Function were as fast, in fewer and larger calls)."""
-
-
-def _prefix_(x: Tensor) -> Tensor:
-    """In place: the inclusive prefix sum of ``x`` over its first dimension, in about ``2√n`` additions of
-    whole rows (rows in groups of ``g ≈ √n``: the sums inside every group at once, then each group's carry)."""
-    n = x.shape[0]
-    g = max(1, int(n ** 0.5))
-    m = n // g
-    grid = x[: m * g].view(m, g, *x.shape[1:])
-    for i in range(1, g):
-        grid[:, i] += grid[:, i - 1]
-    for j in range(1, m):
-        grid[j] += grid[j - 1, g - 1]
-    for r in range(m * g, n):
-        x[r] += x[r - 1]
-    return x
+BY_HEAD_MIN_SIZE = 32
+"""... and only where ``chunk_size``, ``M`` and ``Dv`` are all at least this: with smaller products the Python
+cost of a loop over heads outweighs them (24x slower than the Function with 1,024 heads of C = 1, M = Dv = 4)."""
 
 
 def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor], z0: Optional[Tensor],
@@ -323,9 +310,9 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
     head and up to :data:`HEAD_BLOCK_CHUNKS` chunks at a time.
 
     Its workspaces (the scores, the states before each chunk, the normalisers) hold one block of one head and are
-    reused, where the Function's hold the whole sequence of every head (it saves them for the backward); the
-    prefix sums over chunks are summed in another order (:func:`_prefix_`), so results may differ from the
-    Function's in the last bits. Same arguments and results as :func:`chunkwise_linear_attention`.
+    reused, where the Function's hold the whole sequence of every head (it saves them for the backward). The
+    states are summed in the Function's order; the products run on fewer matrices at a time, so results may
+    differ from the Function's in the last bits. Same arguments and results as :func:`chunkwise_linear_attention`.
     """
     B, H, T, M = phi_q.shape
     Dv = v.shape[-1]
@@ -365,14 +352,14 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
                         z[0].copy_(z0_[h])
                 q_c, k_c, v_c = q4[h, g0 : g0 + n], k4[h, g0 : g0 + n], v4[h, g0 : g0 + n]
                 torch.bmm(k_c.transpose(1, 2), v_c, out=S[1 : n + 1])          # per-chunk φ(K_c)ᵀV_c
-                S[1] += S[0]
-                _prefix_(S[1 : n + 1])                                         # S[c]: the state before chunk c
+                for c in range(1, n + 1):                                      # S[c]: the state before chunk c,
+                    S[c] += S[c - 1]                                           # summed in the Function's order
                 a = torch.bmm(q_c, k_c.transpose(1, 2), out=scores[:n]).tril_()   # (n, C, C)
                 out = torch.bmm(q_c, S[:n], out=y4[h, g0 : g0 + n])            # earlier chunks
                 out.baddbmm_(a, v_c)                                           # + this chunk
                 torch.sum(k_c, dim=1, out=z[1 : n + 1])
-                z[1] += z[0]
-                _prefix_(z[1 : n + 1])
+                for c in range(1, n + 1):
+                    z[c] += z[c - 1]
                 if normalize:
                     d = torch.bmm(q_c, z[:n].unsqueeze(-1), out=den[:n])       # (n, C, 1)
                     d.add_(a.sum(-1, keepdim=True))
@@ -386,9 +373,12 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
 
 def _by_head(phi_q: Tensor, chunk_size: int, *tensors: Optional[Tensor]) -> bool:
     """Whether :func:`chunkwise_linear_attention` runs :func:`_forward_by_head`: on the CPU, with at least
-    :data:`BY_HEAD_MIN_CHUNKS` chunks per head, when no gradient is needed (grad mode off, or no tensor
+    :data:`BY_HEAD_MIN_CHUNKS` chunks per head and chunks, features and values of at least
+    :data:`BY_HEAD_MIN_SIZE`, when no gradient is needed (grad mode off, or no tensor
     requiring one) and neither ``torch.compile`` nor a ``torch.func`` transform is active."""
     if phi_q.device.type != "cpu" or -(-phi_q.shape[2] // chunk_size) < BY_HEAD_MIN_CHUNKS:
+        return False
+    if min(chunk_size, phi_q.shape[3], tensors[2].shape[3]) < BY_HEAD_MIN_SIZE:
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False
@@ -426,7 +416,8 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
 
     Notes
     -----
-    A call on the CPU that needs no gradient, with at least :data:`BY_HEAD_MIN_CHUNKS` chunks per head, runs
+    A call on the CPU that needs no gradient, with at least :data:`BY_HEAD_MIN_CHUNKS` chunks per head (and
+    ``chunk_size``, ``M``, ``Dv`` of at least :data:`BY_HEAD_MIN_SIZE`), runs
     :func:`_forward_by_head`: the same products one head at a time, in workspaces of one block of chunks
     instead of tensors of the whole sequence kept for a backward pass.
     """
