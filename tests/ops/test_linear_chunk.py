@@ -101,6 +101,18 @@ def test_float16_at_65536_tokens_is_finite(causal):
     assert torch.allclose(out[:, :, -1:].float(), ref, atol=2 * 2.0**-11, rtol=0)
 
 
+def _chunk_matches_reference(q, k, v, chunk_size, normalize, state):
+    """The chunk method's output and final state against the float64 masked quadratic form; returns both
+    (output, state) and the reference's (output, S, z)."""
+    out, st_out = linattn.linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size,
+                                           normalize=normalize, initial_state=state, return_state=True)
+    ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=True, normalize=normalize,
+                                             initial_state=None if state is None else (state.S, state.z))
+    for got, want in ((out, ref), (st_out.S, S_ref), (st_out.z, z_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    return out, st_out, ref, S_ref, z_ref
+
+
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
@@ -123,12 +135,7 @@ def test_property_chunk_with_state_matches_float64_reference(B, H, T, D, Dv, chu
         z0 = torch.rand(B, H, D, generator=g, dtype=torch.float64).requires_grad_()
         state = linattn.LinearAttentionState(S0, z0)
         params += [S0, z0]
-    out, st_out = linattn.linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size,
-                                           normalize=normalize, initial_state=state, return_state=True)
-    ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=True, normalize=normalize,
-                                             initial_state=None if state is None else (state.S, state.z))
-    for got, want in ((out, ref), (st_out.S, S_ref), (st_out.z, z_ref)):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    out, st_out, ref, S_ref, z_ref = _chunk_matches_reference(q, k, v, chunk_size, normalize, state)
     w_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
     w_S = torch.randn(S_ref.shape, generator=g, dtype=torch.float64)
     loss = (out * w_out).sum() + (st_out.S * w_S).sum() + st_out.z.sum()
@@ -169,12 +176,7 @@ def test_property_no_grad_forward_matches_float64_reference(B, H, chunk_size, T,
                                              torch.rand(B, H, D, generator=g, dtype=torch.float64))
     with pytest.MonkeyPatch.context() as mp, torch.no_grad(), linattn.backends.use_backends("torch"):
         _by_head_everywhere(mp)
-        out, st_out = linattn.linear_attention(q, k, v, causal=True, method="chunk", chunk_size=chunk_size,
-                                               normalize=normalize, initial_state=state, return_state=True)
-    ref, S_ref, z_ref = ref_linear_attention(q, k, v, causal=True, normalize=normalize,
-                                             initial_state=None if state is None else (state.S, state.z))
-    for got, want in ((out, ref), (st_out.S, S_ref), (st_out.z, z_ref)):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        _chunk_matches_reference(q, k, v, chunk_size, normalize, state)
 
 
 def test_no_grad_forward_sums_the_states_in_order(monkeypatch):

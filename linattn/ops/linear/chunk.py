@@ -14,6 +14,18 @@ from .naive import naive_chunk_linear_attention
 __all__ = ["chunkwise_linear_attention"]
 
 
+def _padded_to_chunks(phi_q: Tensor, phi_k: Tensor, v: Tensor, chunk_size: int):
+    """``(phi_q, phi_k, v, C, N)``: the inputs zero-padded to ``N`` whole chunks of ``C = min(chunk_size, T)``
+    tokens (a chunk longer than the sequence only adds padding; padded tokens contribute nothing and are cut off)."""
+    T = phi_q.shape[2]
+    C = min(chunk_size, T)
+    N = -(-T // C)
+    if N * C != T:
+        pad = (0, 0, 0, N * C - T)
+        phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
+    return phi_q, phi_k, v, C, N
+
+
 def _chunk_buffer(like: Tensor, BH: int, N: int, *rest: int) -> Tensor:
     """Room for one value per chunk of every head, plus one spare slot: (BH * N + 1, *rest)."""
     return like.new_empty((BH * N + 1, *rest))
@@ -72,12 +84,8 @@ class _ChunkwiseLinearAttention(torch.autograd.Function):
     def forward(phi_q, phi_k, v, S0, z0, normalize: bool, eps: float, chunk_size: int):
         B, H, T, M = phi_q.shape
         Dv = v.shape[-1]
-        C = min(chunk_size, T)             # a chunk longer than the sequence only adds padding
-        N = -(-T // C)
         with no_autocast(phi_q.device):
-            if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
-                pad = (0, 0, 0, N * C - T)
-                phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
+            phi_q, phi_k, v, C, N = _padded_to_chunks(phi_q, phi_k, v, chunk_size)
             BH = B * H
             q_c, k_c, v_c = _chunks(phi_q, phi_k, v, BH * N, C)
             S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
@@ -316,12 +324,8 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
     """
     B, H, T, M = phi_q.shape
     Dv = v.shape[-1]
-    C = min(chunk_size, T)
-    N = -(-T // C)
     with no_autocast(phi_q.device):
-        if N * C != T:  # ragged tail: zero-padded tokens contribute nothing and are cut off
-            pad = (0, 0, 0, N * C - T)
-            phi_q, phi_k, v = (F.pad(x, pad) for x in (phi_q, phi_k, v))
+        phi_q, phi_k, v, C, N = _padded_to_chunks(phi_q, phi_k, v, chunk_size)
         BH = B * H
         q4, k4, v4 = phi_q.view(BH, N, C, M), phi_k.view(BH, N, C, M), v.view(BH, N, C, Dv)
         y = phi_q.new_empty(B, H, N * C, Dv)
