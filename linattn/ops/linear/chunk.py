@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._autograd import NO_SECOND_DERIVATIVE
-from ..._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, no_autocast
+from ..._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, no_autocast, safe_normaliser
 from .naive import naive_chunk_linear_attention
 
 __all__ = ["chunkwise_linear_attention"]
@@ -317,9 +317,10 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
     """The forward alone, for calls that need no gradient: :class:`_ChunkwiseLinearAttention`'s products, one
     head and up to :data:`HEAD_BLOCK_CHUNKS` chunks at a time.
 
-    Its workspaces (the scores, the states before each chunk, the normalisers) hold one block of one head and are
-    reused, where the Function's hold the whole sequence of every head (it saves them for the backward). The
-    states are summed in the Function's order; the products run on fewer matrices at a time, so results may
+    Its workspaces (the scores and the states before each chunk) hold one block of one head and are reused, where
+    the Function's hold the whole sequence of every head (it saves them for the backward); the normalisers, ``M``
+    numbers per chunk, come from the Function's own :func:`_normaliser_states`. The states are summed in the
+    Function's order; the products run on fewer matrices at a time, so results may
     differ from the Function's in the last bits. Same arguments and results as :func:`chunkwise_linear_attention`.
     """
     B, H, T, M = phi_q.shape
@@ -332,28 +333,23 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
         y4 = y.view(BH, N, C, Dv)
         G = min(N, HEAD_BLOCK_CHUNKS)
         S = phi_q.new_empty(G + 1, M, Dv)      # row 0: the state before the block; row c + 1: after its chunk c
-        z = phi_q.new_empty(G + 1, M)
         scores = phi_q.new_empty(G, C, C)
         den = phi_q.new_empty(G, C, 1)
-        S_final, z_final = phi_q.new_empty(B, H, M, Dv), phi_q.new_empty(B, H, M)
-        S_last, z_last = S_final.view(BH, M, Dv), z_final.view(BH, M)
+        S_final = phi_q.new_empty(B, H, M, Dv)
+        S_last = S_final.view(BH, M, Dv)
         S0_ = None if S0 is None else S0.reshape(BH, M, Dv)
-        z0_ = None if z0 is None else z0.reshape(BH, M)
+        z_before, z_final = _normaliser_states(phi_k.view(BH * N, C, M), BH, N, M,
+                                               None if z0 is None else z0.reshape(BH, M), (B, H, M))
+        z_before = z_before.view(BH, N, M)                                  # M numbers per chunk: kept whole
         for h in range(BH):
             for g0 in range(0, N, G):
                 n = min(G, N - g0)
                 if g0:                               # the state after the previous block (n was G there)
                     S[0].copy_(S[G])
-                    z[0].copy_(z[G])
-                else:                                # the state before the first chunk
-                    if S0_ is None:
-                        S[0].zero_()
-                    else:
-                        S[0].copy_(S0_[h])
-                    if z0_ is None:
-                        z[0].zero_()
-                    else:
-                        z[0].copy_(z0_[h])
+                elif S0_ is None:                    # the state before the first chunk
+                    S[0].zero_()
+                else:
+                    S[0].copy_(S0_[h])
                 q_c, k_c, v_c = q4[h, g0 : g0 + n], k4[h, g0 : g0 + n], v4[h, g0 : g0 + n]
                 torch.bmm(k_c.transpose(1, 2), v_c, out=S[1 : n + 1])          # per-chunk φ(K_c)ᵀV_c
                 for c in range(1, n + 1):                                      # S[c]: the state before chunk c,
@@ -361,30 +357,26 @@ def _forward_by_head(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tenso
                 a = torch.bmm(q_c, k_c.transpose(1, 2), out=scores[:n]).tril_()   # (n, C, C)
                 out = torch.bmm(q_c, S[:n], out=y4[h, g0 : g0 + n])            # earlier chunks
                 out.baddbmm_(a, v_c)                                           # + this chunk
-                torch.sum(k_c, dim=1, out=z[1 : n + 1])
-                for c in range(1, n + 1):
-                    z[c] += z[c - 1]
                 if normalize:
-                    d = torch.bmm(q_c, z[:n].unsqueeze(-1), out=den[:n])       # (n, C, 1)
+                    d = torch.bmm(q_c, z_before[h, g0 : g0 + n].unsqueeze(-1), out=den[:n])   # (n, C, 1)
                     d.add_(a.sum(-1, keepdim=True))
-                    out.div_(torch.where((d > 0) & (d < float("inf")), d, eps))   # guarded_normaliser's values
+                    out.div_(safe_normaliser(d, eps))
             S_last[h].copy_(S[n])
-            z_last[h].copy_(z[n])
         if N * C != T:
             y = y[:, :, :T].clone()                 # a tensor of its own, not a view
     return y, S_final, z_final
 
 
-def _by_head(phi_q: Tensor, chunk_size: int, *tensors: Optional[Tensor]) -> bool:
+def _by_head(chunk_size: int, phi_q: Tensor, *tensors: Optional[Tensor]) -> bool:
     """Whether :func:`chunkwise_linear_attention` runs :func:`_forward_by_head`: on the CPU, with at least
     :data:`BY_HEAD_MIN_CHUNKS` chunks per head and chunks, features and values of at least
     :data:`BY_HEAD_MIN_SIZE`, when no gradient is needed (grad mode off, or no tensor
     requiring one) and neither ``torch.compile`` nor a ``torch.func`` transform is active."""
     if phi_q.device.type != "cpu" or -(-phi_q.shape[2] // chunk_size) < BY_HEAD_MIN_CHUNKS:
         return False
-    if min(chunk_size, phi_q.shape[3], tensors[2].shape[3]) < BY_HEAD_MIN_SIZE:
+    if min(chunk_size, phi_q.shape[3], tensors[1].shape[3]) < BY_HEAD_MIN_SIZE:         # tensors: k, v, S0, z0
         return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (phi_q, *tensors)):
         return False
     return not compiling() and not torch._C._are_functorch_transforms_active()
 
@@ -426,19 +418,12 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     instead of tensors of the whole sequence kept for a backward pass.
     """
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
-    if _by_head(phi_q, chunk_size, phi_q, phi_k, v, S0, z0):
-        out = _forward_by_head(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
-        if all_finite(out[1], out[2]):
-            return out
-        poison = CausalPoison(phi_q, phi_k, v)
-        out = _forward_by_head(poison.q, poison.k, poison.v, S0, z0, normalize, eps, chunk_size)
-        return poison.outputs(out[0]), poison.state(out[1]), poison.normaliser(out[2])
-    fn = _chunkwise_function()
+    run = _forward_by_head if _by_head(chunk_size, phi_q, phi_k, v, S0, z0) else _chunkwise_function().apply
     if not compiling():
-        out = fn.apply(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
+        out = run(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
         if all_finite(out[1], out[2]):
             return out[0], out[1], out[2]
     # A NaN/inf somewhere (or torch.compile, which cannot branch on that): keep it causal.
     poison = CausalPoison(phi_q, phi_k, v)
-    out = fn.apply(poison.q, poison.k, poison.v, S0, z0, normalize, eps, chunk_size)
+    out = run(poison.q, poison.k, poison.v, S0, z0, normalize, eps, chunk_size)
     return poison.outputs(out[0]), poison.state(out[1]), poison.normaliser(out[2])
