@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._autograd import autograd_must_see_every_op
 from .._checks import check_floating
 
 __all__ = ['elu_plus_one', 'relu', 'squared_relu', 'elu_plus_one_arithmetic']
@@ -51,8 +52,8 @@ def elu_plus_one_arithmetic(x: Tensor) -> Tensor:
     passes run while it is in cache, and only the result is allocated (the same elementwise arithmetic, so the
     same bits).
     """
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or type(x) is not Tensor
-            or x.device.type != "cpu" or not x.is_contiguous() or x.numel() < 4 * ELU_BLOCK):
+    if (type(x) is not Tensor or x.device.type != "cpu" or not x.is_contiguous() or x.numel() < 4 * ELU_BLOCK
+            or autograd_must_see_every_op(x)):                  # cheap checks first: a decoding step's x is small
         return x.clamp(max=0.0).exp_().add_(x.clamp(min=0.0))    # e^x for x <= 0, 1 + x for x > 0
     n = x.numel()
     out = torch.empty_like(x)

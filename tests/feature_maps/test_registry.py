@@ -70,6 +70,22 @@ def test_elu_plus_one_on_a_large_tensor_is_the_same_bits_with_one_allocation(dty
     assert peak < 1.5 * n * x.element_size(), peak
 
 
+def test_elu_plus_one_forward_mode_ad_on_a_large_tensor():
+    """A forward-mode dual as large as the blocked path's threshold still gets its tangent, e^x for x <= 0 and 1
+    above (the blocked path writes into buffers, which forward-mode AD cannot follow)."""
+    import torch.autograd.forward_ad as fwAD
+    from linattn.feature_maps.elementwise import ELU_BLOCK
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5 * ELU_BLOCK, generator=g, dtype=torch.float64)
+    t = torch.randn(5 * ELU_BLOCK, generator=g, dtype=torch.float64)
+    with fwAD.dual_level():
+        y = linattn.elu_plus_one(fwAD.make_dual(x, t))
+        tangent = fwAD.unpack_dual(y).tangent
+    want = torch.where(x > 0, torch.ones_like(x), x.exp()) * t
+    torch.testing.assert_close(tangent, want, rtol=1e-12, atol=0.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_relu_values_shape_dtype(dtype):
     x = _x(dtype)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._autograd import NO_SECOND_DERIVATIVE
+from ..._autograd import NO_SECOND_DERIVATIVE, autograd_must_see_every_op
 from ..._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, no_autocast, safe_normaliser
 from .naive import naive_chunk_linear_attention
 
@@ -371,14 +371,14 @@ def _by_head(chunk_size: int, phi_q: Tensor, *tensors: Optional[Tensor]) -> bool
     """Whether :func:`chunkwise_linear_attention` runs :func:`_forward_by_head`: on the CPU, with at least
     :data:`BY_HEAD_MIN_CHUNKS` chunks per head and chunks, features and values of at least
     :data:`BY_HEAD_MIN_SIZE`, when no gradient is needed (grad mode off, or no tensor
-    requiring one) and neither ``torch.compile`` nor a ``torch.func`` transform is active."""
+    requiring one) and autograd need not see every op (``torch.compile``, ``torch.func``, forward-mode AD)."""
     if phi_q.device.type != "cpu" or -(-phi_q.shape[2] // chunk_size) < BY_HEAD_MIN_CHUNKS:
         return False
     if min(chunk_size, phi_q.shape[3], tensors[1].shape[3]) < BY_HEAD_MIN_SIZE:         # tensors: k, v, S0, z0
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (phi_q, *tensors)):
         return False
-    return not compiling() and not torch._C._are_functorch_transforms_active()
+    return not autograd_must_see_every_op(phi_q, *tensors)
 
 
 def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Optional[Tensor] = None,
