@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ._numerics import compiling
 
-__all__ = ["autograd_must_see_every_op", "differentiable_backward", "NO_SECOND_DERIVATIVE"]
+__all__ = ["autograd_must_see_every_op", "differentiable_backward", "has_forward_tangent", "NO_SECOND_DERIVATIVE"]
 
 NO_SECOND_DERIVATIVE = (
     "second derivatives (double backward with create_graph=True, torch.func.hessian, forward mode over a "
@@ -16,10 +16,14 @@ NO_SECOND_DERIVATIVE = (
     "method='recurrent' for higher-order gradients")
 
 
+def has_forward_tangent(*tensors: Optional[Tensor]) -> bool:
+    """Whether any of ``tensors`` is a forward-mode dual (``torch.autograd.forward_ad``) with a tangent."""
+    return any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def autograd_must_see_every_op(*tensors: Optional[Tensor]) -> bool:
     """Autograd must see every operation: ``torch.func`` transforms, ``torch.compile``, or a forward-mode dual."""
-    return (compiling() or torch._C._are_functorch_transforms_active()
-            or any(t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors))
+    return compiling() or torch._C._are_functorch_transforms_active() or has_forward_tangent(*tensors)
 
 
 def differentiable_backward(forward, inputs, d_out, d_S):

@@ -225,3 +225,21 @@ def test_no_grad_forward_keeps_non_finite_inputs_causal(monkeypatch):
     torch.testing.assert_close(out[:, :, :300], ref, rtol=1e-9, atol=1e-10)
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(st_out.S.isnan(), want_state.S.isnan())
     assert out[0, 1, 300:].isnan().all() and out[0, 0].isfinite().all()
+
+
+@pytest.mark.parametrize("T", [200, 128 * 32])      # the Function's path, and the length of the head-by-head path
+@pytest.mark.parametrize("normalize", [True, False])
+def test_chunk_forward_mode_ad_outside_torch_func(T, normalize):
+    """Forward-mode duals (torch.autograd.forward_ad, no torch.func transform) get the chunk form's tangent: the
+    same as autograd's forward mode through the quadratic form, in float64."""
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, tq, tk, tv = (torch.randn(1, 2, T, 32, generator=g, dtype=torch.float64) for _ in range(6))
+    tangents = {}
+    with fwAD.dual_level():
+        for method in ("chunk", "quadratic"):
+            y = linattn.linear_attention(fwAD.make_dual(q, tq), fwAD.make_dual(k, tk), fwAD.make_dual(v, tv),
+                                         causal=True, method=method, chunk_size=32, normalize=normalize)
+            tangents[method] = fwAD.unpack_dual(y).tangent
+    torch.testing.assert_close(tangents["chunk"], tangents["quadratic"], rtol=1e-9, atol=1e-10)

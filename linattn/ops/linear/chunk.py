@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._autograd import NO_SECOND_DERIVATIVE, autograd_must_see_every_op
+from ..._autograd import NO_SECOND_DERIVATIVE, autograd_must_see_every_op, has_forward_tangent
 from ..._numerics import CausalPoison, all_finite, compiling, guarded_normaliser, no_autocast, safe_normaliser
 from .naive import naive_chunk_linear_attention
 
@@ -180,9 +180,10 @@ class _ChunkwiseLinearAttentionWithJvp(_ChunkwiseLinearAttention):
                 None, None, None, None, None, None)                          # one tangent per output
 
 
-def _chunkwise_function():
-    """The Function to apply: with a ``jvp`` under ``torch.func`` transforms, without one otherwise."""
-    if torch._C._are_functorch_transforms_active():
+def _chunkwise_function(*tensors: Optional[Tensor]):
+    """The Function to apply: with a ``jvp`` under ``torch.func`` transforms or for forward-mode duals among
+    ``tensors``, without one otherwise."""
+    if torch._C._are_functorch_transforms_active() or has_forward_tangent(*tensors):
         return _ChunkwiseLinearAttentionWithJvp
     return _ChunkwiseLinearAttention
 
@@ -418,7 +419,8 @@ def chunkwise_linear_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, S0: Opti
     instead of tensors of the whole sequence kept for a backward pass.
     """
     phi_q, phi_k, v = phi_q.contiguous(), phi_k.contiguous(), v.contiguous()
-    run = _forward_by_head if _by_head(chunk_size, phi_q, phi_k, v, S0, z0) else _chunkwise_function().apply
+    run = (_forward_by_head if _by_head(chunk_size, phi_q, phi_k, v, S0, z0)
+           else _chunkwise_function(phi_q, phi_k, v, S0, z0).apply)
     if not compiling():
         out = run(phi_q, phi_k, v, S0, z0, normalize, eps, chunk_size)
         if all_finite(out[1], out[2]):
